@@ -1,0 +1,318 @@
+"""Argument checks: every argument validated once, in Python, before anything is launched.
+
+Each check raises an error that names the argument, what was expected and what came. The checks run on wrapped
+arrays (NumPy or CuPy: both have ``shape``, ``dtype``, ``strides``), so the CPU and GPU paths share them.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from . import _compile
+
+#: Query / cache dtypes by short name.
+DTYPES = {
+    np.dtype(np.float32): "f32",
+    np.dtype(np.float16): "f16",
+    np.dtype(ml_dtypes.bfloat16): "bf16",
+}
+KV_LAYOUTS = _compile.KV_LAYOUTS
+
+
+def dtype_name(name: str, arr: Any) -> str:
+    """Short name of a float32 / float16 / bfloat16 array's dtype; ValueError otherwise."""
+    try:
+        return DTYPES[np.dtype(arr.dtype)]
+    except KeyError:
+        raise ValueError(f"{name}: expected dtype float32, float16 or bfloat16, got {arr.dtype}") from None
+
+
+def element_strides(arr: Any) -> tuple[int, ...]:
+    """Strides in elements (NumPy and CuPy give bytes)."""
+    size = arr.dtype.itemsize
+    return tuple(s // size for s in arr.strides)
+
+
+def check_ndim(name: str, arr: Any, ndim: int, dims: str) -> None:
+    if arr.ndim != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D array {dims}, got shape {tuple(arr.shape)}")
+
+
+def check_shape(name: str, arr: Any, expected: tuple[Any, ...], dims: str) -> None:
+    """``expected`` holds ints, or None for a dimension that may be anything."""
+    shape = tuple(arr.shape)
+    if len(shape) != len(expected) or any(e is not None and e != s for e, s in zip(expected, shape)):
+        want = ", ".join("*" if e is None else str(e) for e in expected)
+        raise ValueError(f"{name}: expected shape ({want}) {dims}, got {shape}")
+
+
+def check_dtype(name: str, arr: Any, allowed: tuple[Any, ...]) -> None:
+    if np.dtype(arr.dtype) not in [np.dtype(a) for a in allowed]:
+        want = " or ".join(str(np.dtype(a)) for a in allowed)
+        raise ValueError(f"{name}: expected dtype {want}, got {arr.dtype}")
+
+
+def check_layout_option(kv_layout: Any) -> str:
+    if not isinstance(kv_layout, str) or kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout: expected one of {', '.join(map(repr, KV_LAYOUTS))}, got {kv_layout!r}")
+    return kv_layout
+
+
+def check_head_size(name: str, head_size: int) -> None:
+    if head_size not in _compile.HEAD_SIZES:
+        raise NotImplementedError(
+            f"{name}: head_size {head_size} is not supported; supported: {', '.join(map(str, _compile.HEAD_SIZES))}"
+        )
+
+
+def pointer(arr: Any) -> int:
+    return int(arr.ctypes.data) if isinstance(arr, np.ndarray) else int(arr.data.ptr)
+
+
+@dataclass
+class CacheGeometry:
+    """The paged caches, whatever their layout."""
+
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    block_stride: int  # elements between pages
+
+
+def check_caches(key_cache: Any, value_cache: Any, kv_layout: str, dtype: Any, head_size: int | None) -> CacheGeometry:
+    """Shapes, dtypes and contiguity of ``key_cache`` / ``value_cache`` for ``kv_layout``.
+
+    The page dimension may have any stride (a cache may be a view of a larger [num_blocks, 2, ...] array); the
+    dimensions inside a page must be contiguous.
+    """
+    itemsize = np.dtype(dtype).itemsize
+    x = 16 // itemsize
+    if kv_layout == "nhd":
+        dims = "[num_blocks, block_size, num_kv_heads, head_size]"
+        check_ndim("key_cache", key_cache, 4, dims)
+        num_blocks, block_size, num_kv_heads, d = key_cache.shape
+        check_shape("value_cache", value_cache, (num_blocks, block_size, num_kv_heads, d), dims)
+    else:
+        dims = f"[num_blocks, num_kv_heads, head_size // {x}, block_size, {x}]"
+        check_ndim("key_cache", key_cache, 5, dims)
+        num_blocks, num_kv_heads, d_x, block_size, xx = key_cache.shape
+        if xx != x:
+            raise ValueError(
+                f"key_cache: kv_layout='vllm' with dtype {np.dtype(dtype)} needs last dimension x = 16 // itemsize "
+                f"= {x}, got shape {tuple(key_cache.shape)}"
+            )
+        d = d_x * x
+        check_shape(
+            "value_cache", value_cache, (num_blocks, num_kv_heads, d, block_size),
+            "[num_blocks, num_kv_heads, head_size, block_size]",
+        )
+    if head_size is not None and d != head_size:
+        raise ValueError(f"key_cache: expected head_size {head_size} (from query), got {d}")
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if np.dtype(cache.dtype) != np.dtype(dtype):
+            raise ValueError(f"{name}: expected dtype {np.dtype(dtype)} (the query's), got {cache.dtype}")
+    if block_size not in _compile.BLOCK_SIZES:
+        raise NotImplementedError(
+            f"key_cache: block_size {block_size} is not supported; supported: "
+            f"{', '.join(map(str, _compile.BLOCK_SIZES))}"
+        )
+    if num_blocks == 0:
+        raise ValueError("key_cache: expected at least one block, got num_blocks = 0")
+    k_strides, v_strides = element_strides(key_cache), element_strides(value_cache)
+    page = math.prod(key_cache.shape[1:])
+    for name, cache, strides in (("key_cache", key_cache, k_strides), ("value_cache", value_cache, v_strides)):
+        inner = _contiguous_strides(cache.shape[1:])
+        if strides[1:] != inner:
+            raise ValueError(
+                f"{name}: each page must be contiguous (strides {inner} in elements after the first dimension), "
+                f"got strides {strides}"
+            )
+        if num_blocks > 1 and (strides[0] < page or strides[0] % x):
+            raise ValueError(
+                f"{name}: page stride must be >= {page} elements and a multiple of {x}, got {strides[0]}"
+            )
+        if pointer(cache) % 16:
+            raise ValueError(f"{name}: data must be 16-byte aligned")
+    if num_blocks > 1 and k_strides[0] != v_strides[0]:
+        raise ValueError(f"value_cache: expected the page stride of key_cache ({k_strides[0]}), got {v_strides[0]}")
+    return CacheGeometry(num_blocks, block_size, num_kv_heads, d, k_strides[0] if num_blocks > 1 else page)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
+
+
+@dataclass
+class DecodeProblem:
+    """Validated decode arguments; arrays are the wrapped (NumPy or CuPy) ones."""
+
+    query: Any
+    key_cache: Any
+    value_cache: Any
+    block_tables: Any
+    seq_lens: Any
+    attn_bias: Any | None
+    alibi_slopes: Any | None
+    out: Any | None
+    num_seqs: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    cache: CacheGeometry
+    max_blocks_per_seq: int
+    max_len: int  # most keys a sequence can have: the block table's capacity, and the bias length
+    scale: float
+    kv_layout: str
+    dtype: str  # "f32" | "f16" | "bf16"
+    bias_dtype: str | None
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def check_scale(scale: Any, head_size: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_size)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(float(scale)):
+        raise ValueError(f"scale: expected None or a finite real number, got {scale!r}")
+    return float(scale)
+
+
+def check_decode(
+    query: Any,
+    key_cache: Any,
+    value_cache: Any,
+    block_tables: Any,
+    seq_lens: Any,
+    *,
+    scale: Any,
+    attn_bias: Any,
+    alibi_slopes: Any,
+    kv_layout: Any,
+    out: Any,
+) -> DecodeProblem:
+    """Validate the arguments of :func:`cupy_paged_attn.paged_attention` (see its docstring for the list)."""
+    layout = check_layout_option(kv_layout)
+    q_dims = "[num_seqs, num_heads, head_size]"
+    check_ndim("query", query, 3, q_dims)
+    dtype = dtype_name("query", query)
+    num_seqs, num_heads, head_size = query.shape
+    check_head_size("query", head_size)
+    if num_heads == 0:
+        raise ValueError(f"query: expected num_heads >= 1, got shape {tuple(query.shape)}")
+    cache = check_caches(key_cache, value_cache, layout, query.dtype, head_size)
+    if num_heads % cache.num_kv_heads:
+        raise ValueError(
+            f"key_cache: num_kv_heads ({cache.num_kv_heads}) must divide the query's num_heads ({num_heads})"
+        )
+
+    check_ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
+    check_dtype("block_tables", block_tables, (np.int32,))
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_tables: expected shape ({num_seqs}, max_blocks_per_seq) with num_seqs from query, "
+            f"got {tuple(block_tables.shape)}"
+        )
+    max_blocks = block_tables.shape[1]
+    check_shape("seq_lens", seq_lens, (num_seqs,), "[num_seqs]")
+    check_dtype("seq_lens", seq_lens, (np.int32,))
+    max_len = max_blocks * cache.block_size
+
+    bias_dtype = None
+    if attn_bias is not None:
+        check_ndim("attn_bias", attn_bias, 3, "[num_seqs, num_heads, L]")
+        bias_dtype = dtype_name("attn_bias", attn_bias)
+        if attn_bias.shape[:2] != (num_seqs, num_heads):
+            raise ValueError(
+                f"attn_bias: expected shape (num_seqs={num_seqs}, num_heads={num_heads}, L >= max(seq_lens)), "
+                f"got {tuple(attn_bias.shape)}"
+            )
+        max_len = min(max_len, attn_bias.shape[2])
+    if alibi_slopes is not None:
+        check_shape("alibi_slopes", alibi_slopes, (num_heads,), "[num_heads]")
+        check_dtype("alibi_slopes", alibi_slopes, (np.float32,))
+    if out is not None:
+        check_shape("out", out, tuple(query.shape), q_dims + " (the query's shape)")
+        if np.dtype(out.dtype) != np.dtype(query.dtype):
+            raise ValueError(f"out: expected dtype {query.dtype} (the query's), got {out.dtype}")
+        if out.strides[2] != out.dtype.itemsize:
+            raise ValueError(f"out: the last dimension must be contiguous, got strides {element_strides(out)}")
+
+    return DecodeProblem(
+        query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables, seq_lens=seq_lens,
+        attn_bias=attn_bias, alibi_slopes=alibi_slopes, out=out,
+        num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=cache.num_kv_heads, head_size=head_size,
+        cache=cache, max_blocks_per_seq=max_blocks, max_len=max_len, scale=check_scale(scale, head_size),
+        kv_layout=layout, dtype=dtype, bias_dtype=bias_dtype,
+    )
+
+
+def check_host_data(problem: DecodeProblem) -> None:
+    """Checks that read device data: the CPU path runs them always (no sync there)."""
+    seq_lens = np.asarray(problem.seq_lens)
+    tables = np.asarray(problem.block_tables)
+    for s, n in enumerate(seq_lens.tolist()):
+        if n < 0 or n > problem.max_len:
+            limit = "max_blocks_per_seq * block_size" + (" and the bias length L" if problem.attn_bias is not None else "")
+            raise ValueError(f"seq_lens: sequence {s} has length {n}, outside [0, {problem.max_len}] ({limit})")
+        used = tables[s, : -(-n // problem.cache.block_size)]
+        bad = (used < 0) | (used >= problem.cache.num_blocks)
+        if bad.any():
+            raise ValueError(
+                f"block_tables: sequence {s} uses block id {int(used[bad][0])}, outside [0, {problem.cache.num_blocks})"
+            )
+
+
+@dataclass
+class CacheWriteProblem:
+    key: Any
+    value: Any
+    key_cache: Any
+    value_cache: Any
+    slot_mapping: Any
+    num_tokens: int
+    cache: CacheGeometry
+    kv_layout: str
+    dtype: str
+
+
+def check_cache_write(key: Any, value: Any, key_cache: Any, value_cache: Any, slot_mapping: Any,
+                      kv_layout: Any) -> CacheWriteProblem:
+    """Validate the arguments of :func:`cupy_paged_attn.reshape_and_cache`."""
+    layout = check_layout_option(kv_layout)
+    dims = "[num_tokens, num_kv_heads, head_size]"
+    check_ndim("key", key, 3, dims)
+    dtype = dtype_name("key", key)
+    check_shape("value", value, tuple(key.shape), dims + " (the key's shape)")
+    if np.dtype(value.dtype) != np.dtype(key.dtype):
+        raise ValueError(f"value: expected dtype {key.dtype} (the key's), got {value.dtype}")
+    num_tokens, num_kv_heads, head_size = key.shape
+    check_head_size("key", head_size)
+    cache = check_caches(key_cache, value_cache, layout, key.dtype, head_size)
+    if cache.num_kv_heads != num_kv_heads:
+        raise ValueError(f"key_cache: expected num_kv_heads {num_kv_heads} (from key), got {cache.num_kv_heads}")
+    check_shape("slot_mapping", slot_mapping, (num_tokens,), "[num_tokens]")
+    check_dtype("slot_mapping", slot_mapping, (np.int32, np.int64))
+    return CacheWriteProblem(key, value, key_cache, value_cache, slot_mapping, num_tokens, cache, layout, dtype)
+
+
+def check_slots_host(problem: CacheWriteProblem) -> None:
+    """The CPU path's check of slot values (negative = skipped)."""
+    slots = np.asarray(problem.slot_mapping)
+    capacity = problem.cache.num_blocks * problem.cache.block_size
+    bad = np.nonzero(slots >= capacity)[0]
+    if bad.size:
+        t = int(bad[0])
+        raise ValueError(f"slot_mapping: token {t} has slot {int(slots[t])}, outside the cache's {capacity} slots")

@@ -1,0 +1,184 @@
+"""Kernel sources, specialisation keys and the compiled-kernel cache.
+
+A specialisation is everything a kernel needs at compile time (dtype, head size, page size, layout, heads per CTA,
+bias mode). Its readable key, e.g. ``paged_decode_bf16_d128_b16_nhd_g4_bias-dense-f32``, names the cached kernel,
+the log line and the test id. Compiled modules live in :func:`functools.cache` here and in CuPy's own disk cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_log = logging.getLogger("cupy_paged_attn")
+
+#: Storage dtypes by short name, with the CUDA type that holds them.
+CUDA_TYPES = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16"}
+HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
+BLOCK_SIZES = (8, 16, 32)
+KV_LAYOUTS = ("nhd", "vllm")
+HEADS_PER_CTA = (1, 2, 4, 8)
+#: Bias modes of the decode kernel: "none", or "dense-<dtype of the bias>".
+BIAS_MODES = ("none", "dense-f32", "dense-f16", "dense-bf16")
+
+_CUDA_LAYOUT = {"nhd": "cpa::KvLayout::kNHD", "vllm": "cpa::KvLayout::kVLLM"}
+_CACHE_LAYOUT = {"nhd": "cpa::CacheLayout::kNHD", "vllm": "cpa::CacheLayout::kVLLM"}
+_COMPILE_OPTIONS = ("-std=c++17",)
+
+
+def kernel_dir() -> Path:
+    """Folder of the ``.cu`` sources: inside the installed package, else ``kernels_cu/`` of a source checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "kernels_cu", here.parent / "kernels_cu"):
+        if (candidate / "common.cuh").is_file():
+            return candidate
+    raise RuntimeError(f"cupy_paged_attn: kernel sources not found next to {here} (broken installation)")
+
+
+@functools.cache
+def kernel_source(filename: str) -> str:
+    """The text of one kernel family with ``#include "common.cuh"`` inlined.
+
+    CuPy's disk cache keys on the source text only, so headers are pasted in: an edit to ``common.cuh`` then
+    recompiles instead of silently reusing a stale cubin.
+    """
+    folder = kernel_dir()
+    text = (folder / filename).read_text()
+
+    def inline(match: re.Match[str]) -> str:
+        return (folder / match.group(1)).read_text().replace("#pragma once", "")
+
+    return re.sub(r'^#include "([^"]+)"\s*$', inline, text, flags=re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """Compile-time choices of one decode kernel."""
+
+    dtype: str  # "f32" | "f16" | "bf16"
+    head_size: int
+    block_size: int
+    layout: str  # "nhd" | "vllm"
+    heads_per_cta: int
+    bias: str  # one of BIAS_MODES
+
+    @property
+    def key(self) -> str:
+        return (
+            f"paged_decode_{self.dtype}_d{self.head_size}_b{self.block_size}_{self.layout}"
+            f"_g{self.heads_per_cta}_bias-{self.bias}"
+        )
+
+    def name_expressions(self) -> tuple[str, str]:
+        """The kernel and its split-K reduction, as NVRTC name expressions."""
+        t = CUDA_TYPES[self.dtype]
+        bias = "cpa::NoBias" if self.bias == "none" else f"cpa::DenseBias<{CUDA_TYPES[self.bias.split('-')[1]]}>"
+        main = (
+            f"cpa::paged_decode<{t}, {self.head_size}, {self.block_size}, {_CUDA_LAYOUT[self.layout]}, "
+            f"{self.heads_per_cta}, {bias}>"
+        )
+        return main, f"cpa::paged_decode_reduce<{t}, {self.head_size}>"
+
+
+@dataclass(frozen=True)
+class CacheWriteSpec:
+    """Compile-time choices of one cache-write kernel."""
+
+    dtype: str
+    layout: str
+    slot_dtype: str  # "i32" | "i64"
+
+    @property
+    def key(self) -> str:
+        return f"reshape_and_cache_{self.dtype}_{self.layout}_slot-{self.slot_dtype}"
+
+    def name_expressions(self) -> tuple[str]:
+        slot = {"i32": "int", "i64": "long long"}[self.slot_dtype]
+        return (f"cpa::reshape_and_cache<{CUDA_TYPES[self.dtype]}, {_CACHE_LAYOUT[self.layout]}, {slot}>",)
+
+
+def all_decode_specs() -> list[DecodeSpec]:
+    """Every decode specialisation the library can launch."""
+    return [
+        DecodeSpec(dt, d, b, lay, g, bias)
+        for dt in CUDA_TYPES
+        for d in HEAD_SIZES
+        for b in BLOCK_SIZES
+        for lay in KV_LAYOUTS
+        for g in HEADS_PER_CTA
+        for bias in BIAS_MODES
+    ]
+
+
+def all_cache_write_specs() -> list[CacheWriteSpec]:
+    """Every cache-write specialisation the library can launch."""
+    return [CacheWriteSpec(dt, lay, sl) for dt in CUDA_TYPES for lay in KV_LAYOUTS for sl in ("i32", "i64")]
+
+
+_NVRTC_HINT = (
+    "NVRTC or the CUDA headers were not found; install the extra matching your CUDA driver: "
+    "pip install 'cupy-paged-attn[cuda13]' (or [cuda12])"
+)
+
+
+def _compile_error(key: str, exc: Exception) -> RuntimeError:
+    log = getattr(exc, "get_message", lambda: str(exc))()
+    if "cuda_fp16.h" in log or "cuda_bf16.h" in log or "nvrtc" in type(exc).__name__.lower() and "load" in log:
+        return RuntimeError(f"{key}: {_NVRTC_HINT}\n{log}")
+    return RuntimeError(f"{key}: NVRTC compilation failed:\n{log}")
+
+
+@functools.cache
+def _module(filename: str, key: str, names: tuple[str, ...], device_id: int) -> Any:
+    import cupy
+
+    _log.info("compiling %s for device %d", key, device_id)
+    try:
+        with cupy.cuda.Device(device_id):
+            module = cupy.RawModule(code=kernel_source(filename), options=_COMPILE_OPTIONS, name_expressions=names)
+            module.compile()
+    except cupy.cuda.compiler.CompileException as exc:
+        raise _compile_error(key, exc) from exc
+    except (OSError, RuntimeError) as exc:  # NVRTC library missing or unloadable
+        raise RuntimeError(f"{key}: {_NVRTC_HINT}\n{exc}") from exc
+    return module
+
+
+def get_decode_kernels(spec: DecodeSpec, device_id: int) -> tuple[Any, Any]:
+    """The compiled ``(paged_decode, paged_decode_reduce)`` pair of ``spec`` on ``device_id``."""
+    names = spec.name_expressions()
+    module = _module("paged_decode.cu", spec.key, names, device_id)
+    return module.get_function(names[0]), module.get_function(names[1])
+
+
+def get_cache_write_kernel(spec: CacheWriteSpec, device_id: int) -> Any:
+    """The compiled ``reshape_and_cache`` kernel of ``spec`` on ``device_id``."""
+    names = spec.name_expressions()
+    return _module("cache_write.cu", spec.key, names, device_id).get_function(names[0])
+
+
+def compile_offline(filename: str, names: list[str], arch: str) -> bytes:
+    """Compile ``names`` of one kernel family for ``arch`` (e.g. ``"sm_90"``) with no GPU present; return the cubin.
+
+    Uses CuPy's private NVRTC bindings (``RawModule.compile`` needs a device); kept in this one function so a
+    CuPy upgrade that moves them breaks one place. Raises RuntimeError with the NVRTC log on failure.
+    """
+    from cupy._core.core import assemble_cupy_compiler_options
+    from cupy_backends.cuda.libs import nvrtc
+
+    options = assemble_cupy_compiler_options((*_COMPILE_OPTIONS, f"-arch={arch}"))
+    program = nvrtc.createProgram(kernel_source(filename), filename, [], [])
+    try:
+        for name in names:
+            nvrtc.addNameExpression(program, name)
+        try:
+            nvrtc.compileProgram(program, list(options))
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"{filename} ({arch}): NVRTC compilation failed:\n{nvrtc.getProgramLog(program)}") from exc
+        return nvrtc.getCUBIN(program)
+    finally:
+        nvrtc.destroyProgram(program)

@@ -1,0 +1,111 @@
+"""``reshape_and_cache``: write new tokens' keys and values into their slots of the paged caches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _checks, _compile, _interop, reference
+
+__all__ = ["reshape_and_cache"]
+
+_THREADS = 128  # kCacheThreads in cache_write.cu
+
+
+def _vector_ready(arr: Any) -> Any:
+    """``arr`` if the kernel can read it in 16-byte vectors (unit last stride, aligned rows), else a copy."""
+    import cupy
+
+    vec = 16 // arr.dtype.itemsize
+    strides = _checks.element_strides(arr)
+    if strides[-1] == 1 and strides[0] % vec == 0 and strides[1] % vec == 0 and arr.data.ptr % 16 == 0:
+        return arr
+    return cupy.ascontiguousarray(arr)
+
+
+def reshape_and_cache(
+    key: Any,
+    value: Any,
+    key_cache: Any,
+    value_cache: Any,
+    slot_mapping: Any,
+    *,
+    kv_layout: str = "nhd",
+) -> tuple[Any, Any]:
+    """Write ``key[t]`` and ``value[t]`` into cache slot ``slot_mapping[t]`` (vLLM's ``reshape_and_cache``).
+
+    ``slot = block * block_size + offset``: the token lands in row ``offset`` of page ``block``. Negative slots
+    (padding) are skipped.
+
+    Parameters
+    ----------
+    key, value : arrays ``[num_tokens, num_kv_heads, head_size]``, float16 / bfloat16 / float32, one dtype
+    key_cache, value_cache : arrays of the key's dtype, in ``kv_layout`` (see :func:`paged_attention`)
+        torch, CuPy and NumPy caches are written in place. JAX arrays are immutable: new caches are returned and
+        the arguments are left as they were.
+    slot_mapping : array ``[num_tokens]``, int32 or int64
+    kv_layout : {"nhd", "vllm"}
+
+    Returns
+    -------
+    (key_cache, value_cache)
+        The caches written: the arguments themselves for torch, CuPy and NumPy; new arrays for JAX.
+
+    Raises
+    ------
+    TypeError
+        Not arrays, or arrays of different frameworks.
+    ValueError
+        Shapes (key and value alike, caches of the key's num_kv_heads and head_size, slot_mapping ``[num_tokens]``),
+        dtypes (caches of the key's dtype, slot_mapping int32/int64), cache contiguity within a page and alignment,
+        ``kv_layout``, devices. On the NumPy path also a slot past the cache.
+    NotImplementedError
+        An unsupported head_size or block_size.
+
+    Notes
+    -----
+    On the GPU a slot past the cache (``>= num_blocks * block_size``) is skipped rather than written, since
+    checking it on the host would need a sync.
+    """
+    named = {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
+             "slot_mapping": slot_mapping}
+    framework = _interop.common_framework(named)
+    if framework == "numpy":
+        return reference.reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping, kv_layout=kv_layout)
+
+    import cupy
+
+    device = _interop.device_of("key", key, framework)
+    with cupy.cuda.Device(device):
+        stream = _interop.resolve_stream(None, framework, device, key)
+        with stream:
+            ops = {name: _interop.wrap(name, x, framework) for name, x in named.items()}
+            _interop.same_device(list(ops.values()))
+            arr = {name: op.array for name, op in ops.items()}
+            problem = _checks.check_cache_write(
+                arr["key"], arr["value"], arr["key_cache"], arr["value_cache"], arr["slot_mapping"], kv_layout
+            )
+            k_cache, v_cache = problem.key_cache, problem.value_cache
+            if framework == "jax":  # never write into memory JAX owns
+                k_cache, v_cache = k_cache.copy(), v_cache.copy()
+            if problem.num_tokens:
+                slot_dtype = "i64" if np.dtype(problem.slot_mapping.dtype) == np.int64 else "i32"
+                spec = _compile.CacheWriteSpec(problem.dtype, problem.kv_layout, slot_dtype)
+                kernel = _compile.get_cache_write_kernel(spec, device)
+                k, v = _vector_ready(problem.key), _vector_ready(problem.value)
+                ks, vs = _checks.element_strides(k), _checks.element_strides(v)
+                i64, i32 = np.int64, np.int32
+                kernel(
+                    (problem.num_tokens,), (_THREADS,),
+                    (
+                        k, i64(ks[0]), i64(ks[1]), v, i64(vs[0]), i64(vs[1]), k_cache, v_cache,
+                        i64(problem.cache.block_stride), cupy.ascontiguousarray(problem.slot_mapping),
+                        i32(problem.cache.num_kv_heads), i32(problem.cache.head_size),
+                        i32(problem.cache.block_size), i32(problem.cache.num_blocks),
+                    ),
+                    stream=stream,
+                )
+    if framework == "jax":
+        return _interop.finish("jax", k_cache), _interop.finish("jax", v_cache)
+    return key_cache, value_cache

@@ -1,0 +1,140 @@
+"""NumPy references, float64 math: the definition the kernels are tested against, and the library's CPU path.
+
+They gather each sequence's keys and values page by page through ``block_tables`` and apply the formula of
+:func:`cupy_paged_attn.paged_attention` directly, with no tiling, no online softmax and no split.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from . import _checks
+
+__all__ = ["paged_attention_ref", "reshape_and_cache_ref", "to_numpy"]
+
+
+def to_numpy(x: Any) -> Any:
+    """A host NumPy copy of a NumPy, CuPy, PyTorch or JAX array (bfloat16 kept, through ml_dtypes); None stays None."""
+    if x is None or isinstance(x, np.ndarray):
+        return x
+    module = type(x).__module__.split(".")[0]
+    if module == "cupy":
+        return x.get()
+    if module == "torch":
+        import torch
+
+        t = x.detach().cpu()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+    return np.asarray(x)
+
+
+def _nhd_caches(key_cache: np.ndarray, value_cache: np.ndarray, kv_layout: str) -> tuple[np.ndarray, np.ndarray]:
+    """Views of the caches as [num_blocks, block_size, num_kv_heads, head_size]."""
+    if kv_layout == "nhd":
+        return key_cache, value_cache
+    n, h, dx, b, x = key_cache.shape
+    k = key_cache.transpose(0, 3, 1, 2, 4).reshape(n, b, h, dx * x)
+    v = value_cache.transpose(0, 3, 1, 2)
+    return k, v
+
+
+def decode_math(problem: _checks.DecodeProblem) -> np.ndarray:
+    """out[s, h] in float64 for a checked problem whose arrays are NumPy arrays."""
+    p = problem
+    q = np.asarray(p.query, dtype=np.float64)
+    k_cache, v_cache = _nhd_caches(p.key_cache, p.value_cache, p.kv_layout)
+    bias = None if p.attn_bias is None else np.asarray(p.attn_bias, dtype=np.float64)
+    alibi = None if p.alibi_slopes is None else np.asarray(p.alibi_slopes, dtype=np.float64)
+    g = p.group_size
+    bs = p.cache.block_size
+    out = np.zeros((p.num_seqs, p.num_heads, p.head_size), dtype=np.float64)
+    for s in range(p.num_seqs):
+        n = int(p.seq_lens[s])
+        if n == 0:
+            continue
+        pages = p.block_tables[s, : -(-n // bs)]
+        # Token by token through the block table: token j lives in page pages[j // bs] at offset j % bs.
+        k = k_cache[pages].reshape(-1, p.num_kv_heads, p.head_size)[:n].astype(np.float64)
+        v = v_cache[pages].reshape(-1, p.num_kv_heads, p.head_size)[:n].astype(np.float64)
+        k = np.repeat(k, g, axis=1)  # query head h reads KV head h // g
+        v = np.repeat(v, g, axis=1)
+        logits = p.scale * np.einsum("hd,jhd->hj", q[s], k)
+        if alibi is not None:
+            logits += alibi[:, None] * (np.arange(n) - n + 1)[None, :]
+        if bias is not None:
+            logits += bias[s, :, :n]
+        m = logits.max(axis=1, keepdims=True)
+        masked = np.isneginf(m)  # every key masked by a -inf bias: the row is zeros
+        with np.errstate(invalid="ignore"):
+            e = np.exp(logits - np.where(masked, 0.0, m))
+        total = e.sum(axis=1, keepdims=True)
+        probs = np.where(masked, 0.0, e / np.where(masked, 1.0, total))
+        out[s] = np.einsum("hj,jhd->hd", probs, v)
+    return out
+
+
+def paged_attention_ref(
+    query: Any,
+    key_cache: Any,
+    value_cache: Any,
+    block_tables: Any,
+    seq_lens: Any,
+    *,
+    scale: float | None = None,
+    attn_bias: Any = None,
+    alibi_slopes: Any = None,
+    kv_layout: str = "nhd",
+    out: Any = None,
+    stream: Any = None,
+) -> Any:
+    """Reference of :func:`cupy_paged_attn.paged_attention`, same signature, float64 math on the host.
+
+    Arrays of any supported framework are copied to NumPy first. Runs the same argument checks plus the checks of
+    device data (``seq_lens`` within ``[0, max_len]``, used block ids within ``[0, num_blocks)``), which raise
+    ``ValueError``. ``stream`` is ignored.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``[num_seqs, num_heads, head_size]`` float64, unless ``out`` (a NumPy array) is given: then the result is
+        cast into ``out``, which is returned.
+    """
+    arrays = [to_numpy(a) for a in (query, key_cache, value_cache, block_tables, seq_lens, attn_bias, alibi_slopes)]
+    if out is not None and not isinstance(out, np.ndarray):
+        raise TypeError(f"out: the reference writes NumPy arrays only, got {type(out).__name__}")
+    problem = _checks.check_decode(
+        *arrays[:5], scale=scale, attn_bias=arrays[5], alibi_slopes=arrays[6], kv_layout=kv_layout, out=out
+    )
+    _checks.check_host_data(problem)
+    result = decode_math(problem)
+    if out is None:
+        return result
+    out[...] = result.astype(out.dtype)
+    return out
+
+
+def reshape_and_cache_ref(
+    key: Any, value: Any, key_cache: np.ndarray, value_cache: np.ndarray, slot_mapping: Any, *, kv_layout: str = "nhd"
+) -> tuple[np.ndarray, np.ndarray]:
+    """Reference of :func:`cupy_paged_attn.reshape_and_cache`: writes the NumPy caches in place and returns them."""
+    key, value, slot_mapping = to_numpy(key), to_numpy(value), to_numpy(slot_mapping)
+    problem = _checks.check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_layout)
+    _checks.check_slots_host(problem)
+    bs = problem.cache.block_size
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        blk, off = divmod(slot, bs)
+        if problem.kv_layout == "nhd":
+            key_cache[blk, off] = key[t]
+            value_cache[blk, off] = value[t]
+        else:
+            x = key_cache.shape[-1]
+            key_cache[blk, :, :, off, :] = key[t].reshape(key.shape[1], -1, x)
+            value_cache[blk, :, :, off] = value[t]
+    return key_cache, value_cache

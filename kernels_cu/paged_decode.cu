@@ -1,0 +1,318 @@
+// Paged decode attention with an additive bias: one query token per sequence, keys and values read through a
+// block table.
+//
+//   x_h(j)   = scale·<q_h, k_j> + alibi_h·(j − len + 1) + bias(s, h, j)        for key positions j < len
+//   out_h    = Σ_j softmax_j(x_h)·v_j                                          (float32 math, any storage dtype)
+//
+// One CTA per (sequence, KV head, chunk of up to HG query heads of that KV head's group, partition of the keys).
+// The CTA reads each key/value page of its partition once for all its query heads, in tiles of TILE tokens, with
+// an online softmax across tiles:
+//   m = running max of x, l = running sum of exp(x − m), acc = running Σ exp(x − m)·v.
+// With one partition the CTA writes out = acc / l. With several (split-K, for long contexts or few CTAs) each
+// writes (acc, m, l) to a workspace and paged_decode_reduce combines the partitions.
+#include "common.cuh"
+
+namespace cpa {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Constants
+// ---------------------------------------------------------------------------------------------------------------
+constexpr int kDecodeThreads = 256;
+constexpr int kDecodeWarps = kDecodeThreads / kWarpSize;
+constexpr int kTileTarget = 64;      // tokens per tile, before rounding to the thread layout
+constexpr int kMaxVecsInFlight = 8;  // 16-byte key (and value) vectors each thread loads per tile
+constexpr int kReduceThreads = 128;
+
+enum class KvLayout : int {
+  kNHD = 0,   // key, value: [num_blocks, block_size, num_kv_heads, head_size]
+  kVLLM = 1,  // key: [num_blocks, num_kv_heads, head_size / VEC, block_size, VEC]; value: [.., head_size, block_size]
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Addressing of the paged caches. A "vector" is VEC consecutive elements of head_size, at index c < HEAD / VEC.
+// ---------------------------------------------------------------------------------------------------------------
+template <typename T, int HEAD, int BLOCK, KvLayout LAYOUT>
+struct PagedCache {
+  static constexpr int VEC = vec_elems<T>();
+  const T* key;
+  const T* value;
+  long long block_stride;  // elements between consecutive pages (the caches may be views of a larger array)
+  int num_kv_heads;
+
+  __device__ __forceinline__ uint4 key_vec(long long blk, int off, int kvh, int c) const {
+    if constexpr (LAYOUT == KvLayout::kNHD) {
+      return load_raw(key + blk * block_stride + (static_cast<long long>(off) * num_kv_heads + kvh) * HEAD + c * VEC);
+    } else {
+      return load_raw(key + blk * block_stride + ((static_cast<long long>(kvh) * (HEAD / VEC) + c) * BLOCK + off) * VEC);
+    }
+  }
+
+  __device__ __forceinline__ uint4 value_vec(long long blk, int off, int kvh, int c) const {
+    if constexpr (LAYOUT == KvLayout::kNHD) {
+      return load_raw(value + blk * block_stride + (static_cast<long long>(off) * num_kv_heads + kvh) * HEAD + c * VEC);
+    } else {
+      // vLLM's value layout stores head_size-major pages: the VEC elements of one token are BLOCK apart.
+      const T* p = value + blk * block_stride + (static_cast<long long>(kvh) * HEAD + c * VEC) * BLOCK + off;
+      union {
+        uint4 raw;
+        T elem[VEC];
+      } u;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) u.elem[i] = p[i * BLOCK];
+      return u.raw;
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// The attention kernel. Template parameters: storage dtype T, head size HEAD, page size BLOCK, cache LAYOUT,
+// HG = query heads per CTA (1, 2, 4 or 8), Bias = NoBias or DenseBias<B>.
+// ---------------------------------------------------------------------------------------------------------------
+template <typename T, int HEAD, int BLOCK, KvLayout LAYOUT, int HG, typename Bias>
+__global__ void __launch_bounds__(kDecodeThreads) paged_decode(
+    T* __restrict__ out, long long out_stride_s, long long out_stride_h,  // [num_seqs, num_heads, HEAD]
+    float* __restrict__ part_acc,  // [num_seqs, num_heads, num_parts, HEAD], used when num_parts > 1
+    float* __restrict__ part_ml,   // [num_seqs, num_heads, num_parts, 2] = (m, l), used when num_parts > 1
+    const T* __restrict__ query, long long q_stride_s, long long q_stride_h,  // [num_seqs, num_heads, HEAD]
+    const T* __restrict__ key_cache, const T* __restrict__ value_cache, long long cache_block_stride,
+    int num_blocks, int num_kv_heads,
+    const int* __restrict__ block_tables, long long block_table_stride,  // [num_seqs, max_blocks_per_seq]
+    const int* __restrict__ seq_lens, int max_len,                        // [num_seqs]
+    const void* __restrict__ bias_ptr, long long bias_stride_s, long long bias_stride_h, long long bias_stride_j,
+    const float* __restrict__ alibi_slopes,  // [num_heads] or null
+    float scale, int group_size, int tokens_per_part, int num_parts) {
+  // Thread layout: LANES consecutive lanes share one token row (VPL vectors each); GROUPS such lane groups per CTA
+  // take consecutive tokens; each thread holds UNROLL tokens of a tile, so TILE = GROUPS·UNROLL.
+  constexpr int VEC = vec_elems<T>();
+  constexpr int NVEC = HEAD / VEC;
+  constexpr int LANES = pow2_ceil(NVEC) < kWarpSize ? pow2_ceil(NVEC) : kWarpSize;
+  constexpr int VPL = (NVEC + LANES - 1) / LANES;
+  constexpr int GROUPS = kDecodeThreads / LANES;
+  constexpr int UNROLL_BY_TILE = kTileTarget / GROUPS > 0 ? kTileTarget / GROUPS : 1;
+  constexpr int UNROLL = UNROLL_BY_TILE < kMaxVecsInFlight / VPL ? UNROLL_BY_TILE : kMaxVecsInFlight / VPL;
+  constexpr int TILE = GROUPS * UNROLL;
+  constexpr int HPL = (HG + LANES - 1) / LANES;  // query heads whose bias one lane fetches
+  static_assert(HEAD % VEC == 0, "head size must be a whole number of 16-byte vectors");
+  static_assert(HEAD <= kDecodeThreads, "the epilogue gives each output element one thread");
+  static_assert(HG <= kDecodeWarps, "the softmax gives each query head one warp");
+
+  __shared__ __align__(16) float q_s[HG][HEAD];  // scale·q for the CTA's query heads (zero for unused heads)
+  __shared__ float x_s[HG][TILE];                // a tile's logits, then its probabilities
+  __shared__ float alpha_s[HG];                  // exp(m_old − m_new) of the current tile
+  __shared__ float m_s[HG], l_s[HG];
+  __shared__ float red_s[kDecodeWarps][HEAD];    // epilogue: per-warp partial sums of one head's acc
+
+  const int s = blockIdx.x;
+  const int num_chunks = (group_size + HG - 1) / HG;
+  const int kvh = blockIdx.y / num_chunks;
+  const int head0 = kvh * group_size + (blockIdx.y % num_chunks) * HG;  // first query head of this CTA
+  const int nh = min(HG, group_size - (blockIdx.y % num_chunks) * HG);  // query heads in use
+  const int part = blockIdx.z;
+
+  const int tid = threadIdx.x;
+  const int warp = tid / kWarpSize;
+  const int lane = tid % kWarpSize;
+  const int grp = tid / LANES;  // token slot within a tile
+  const int lg = tid % LANES;   // lane within the token's group
+
+  const int len = clamped_len(seq_lens, s, max_len);
+  const int start = part * tokens_per_part;
+  const int end = min(start + tokens_per_part, len);
+
+  const PagedCache<T, HEAD, BLOCK, LAYOUT> cache{key_cache, value_cache, cache_block_stride, num_kv_heads};
+  const Bias bias = Bias::make(bias_ptr, bias_stride_s, bias_stride_h, bias_stride_j);
+  const int* table = block_tables + s * block_table_stride;
+
+  for (int i = tid; i < HG * HEAD; i += kDecodeThreads) {
+    const int g = i / HEAD;
+    const int d = i % HEAD;
+    q_s[g][d] = g < nh ? scale * to_float(query[s * q_stride_s + (head0 + g) * q_stride_h + d]) : 0.0f;
+  }
+  // Warp g keeps head g's running max and sum; every thread keeps acc for its vectors of every head.
+  float m = -inf();
+  float l = 0.0f;
+  float acc[HG][VPL][VEC];
+#pragma unroll
+  for (int g = 0; g < HG; ++g)
+#pragma unroll
+    for (int v = 0; v < VPL; ++v)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[g][v][e] = 0.0f;
+  __syncthreads();  // q_s is read by every thread below
+
+  for (int t0 = start; t0 < end; t0 += TILE) {
+    // ---- Load: keys, values and bias of the thread's UNROLL tokens, all issued before any is used.
+    uint4 k_raw[UNROLL][VPL];
+    uint4 v_raw[UNROLL][VPL];
+    float extra[UNROLL][HPL];  // alibi + bias for heads lg, lg + LANES, ...
+    bool valid[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int j = t0 + u * GROUPS + grp;
+      long long blk = -1;
+      if (j < end) blk = table[j / BLOCK];
+      // A block id outside the cache is never dereferenced: the key is skipped (validate=True reports it).
+      valid[u] = j < end && blk >= 0 && blk < num_blocks;
+#pragma unroll
+      for (int v = 0; v < VPL; ++v) {
+        const int c = lg + v * LANES;
+        k_raw[u][v] = make_uint4(0u, 0u, 0u, 0u);
+        v_raw[u][v] = make_uint4(0u, 0u, 0u, 0u);
+        if (valid[u] && c < NVEC) {
+          k_raw[u][v] = cache.key_vec(blk, j % BLOCK, kvh, c);
+          v_raw[u][v] = cache.value_vec(blk, j % BLOCK, kvh, c);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < HPL; ++i) {
+        const int g = lg + i * LANES;
+        extra[u][i] = 0.0f;
+        if (valid[u] && g < nh) {
+          if (alibi_slopes != nullptr) extra[u][i] = alibi_slopes[head0 + g] * static_cast<float>(j - len + 1);
+          if constexpr (Bias::enabled) extra[u][i] += bias.value(s, head0 + g, j);
+        }
+      }
+    }
+
+    // ---- Logits: x_g(j) = <scale·q_g, k_j> + extra; each lane group reduces its partial dot products.
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      float kf[VPL][VEC];
+#pragma unroll
+      for (int v = 0; v < VPL; ++v) unpack<T>(k_raw[u][v], kf[v]);
+#pragma unroll
+      for (int g = 0; g < HG; ++g) {
+        float dot = 0.0f;
+#pragma unroll
+        for (int v = 0; v < VPL; ++v) {
+          const int c = lg + v * LANES;
+          if (c < NVEC) {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) dot += q_s[g][c * VEC + e] * kf[v][e];
+          }
+        }
+        dot = group_sum<LANES>(dot);
+        if (lg == g % LANES) x_s[g][u * GROUPS + grp] = valid[u] ? dot + extra[u][g / LANES] : -inf();
+      }
+    }
+    __syncthreads();  // x_s holds the whole tile's logits before the softmax reads them
+
+    // ---- Online softmax, warp g for head g: m_new = max(m, max_j x), p = exp(x − m_new), l = l·α + Σ p.
+    if (warp < HG) {
+      float tile_max = -inf();
+      for (int i = lane; i < TILE; i += kWarpSize) tile_max = fmaxf(tile_max, x_s[warp][i]);
+      const float m_new = fmaxf(m, warp_max(tile_max));
+      // While every key so far is masked (m_new = −inf) nothing accumulates: α = 1 and p = 0, never NaN.
+      const bool empty = m_new == -inf();
+      const float alpha = empty ? 1.0f : __expf(m - m_new);
+      float sum = 0.0f;
+      for (int i = lane; i < TILE; i += kWarpSize) {
+        const float p = empty ? 0.0f : __expf(x_s[warp][i] - m_new);
+        x_s[warp][i] = p;
+        sum += p;
+      }
+      l = l * alpha + warp_sum(sum);
+      m = m_new;
+      if (lane == 0) alpha_s[warp] = alpha;
+    }
+    __syncthreads();  // x_s now holds probabilities and alpha_s the rescale factors of this tile
+
+    // ---- Accumulate: acc_g = α_g·acc_g + Σ_j p_g(j)·v_j over the thread's tokens.
+#pragma unroll
+    for (int g = 0; g < HG; ++g) {
+      const float a = alpha_s[g];
+#pragma unroll
+      for (int v = 0; v < VPL; ++v)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[g][v][e] *= a;
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      float vf[VPL][VEC];
+#pragma unroll
+      for (int v = 0; v < VPL; ++v) unpack<T>(v_raw[u][v], vf[v]);
+#pragma unroll
+      for (int g = 0; g < HG; ++g) {
+        const float p = x_s[g][u * GROUPS + grp];  // 0 for an invalid token, whose v_raw is zero too
+#pragma unroll
+        for (int v = 0; v < VPL; ++v)
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) acc[g][v][e] += p * vf[v][e];
+      }
+    }
+    __syncthreads();  // the next tile overwrites x_s and alpha_s
+  }
+
+  // ---- Epilogue: sum acc over the lane groups (shuffles within a warp, then shared memory across warps).
+  if (warp < HG && lane == 0) {
+    m_s[warp] = m;
+    l_s[warp] = l;
+  }
+#pragma unroll
+  for (int g = 0; g < HG; ++g) {
+#pragma unroll
+    for (int v = 0; v < VPL; ++v) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        float x = acc[g][v][e];
+#pragma unroll
+        for (int o = LANES; o < kWarpSize; o *= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+        const int c = lg + v * LANES;
+        if (lane < LANES && c < NVEC) red_s[warp][c * VEC + e] = x;
+      }
+    }
+    __syncthreads();  // red_s holds every warp's partial acc of head g (and m_s, l_s are written)
+    if (g < nh && tid < HEAD) {
+      float total = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kDecodeWarps; ++w) total += red_s[w][tid];
+      const int h = head0 + g;
+      if (num_parts == 1) {
+        const float lsum = l_s[g];
+        out[s * out_stride_s + h * out_stride_h + tid] = from_float<T>(lsum > 0.0f ? total / lsum : 0.0f);
+      } else {
+        const long long slot = (static_cast<long long>(s) * (num_kv_heads * group_size) + h) * num_parts + part;
+        part_acc[slot * HEAD + tid] = total;
+        if (tid == 0) {
+          part_ml[slot * 2] = m_s[g];
+          part_ml[slot * 2 + 1] = l_s[g];
+        }
+      }
+    }
+    __syncthreads();  // red_s is overwritten for the next head
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Split-K reduction: for each (sequence, head), combine the partitions that hold keys:
+//   M = max_p m_p,  w_p = exp(m_p − M),  out = Σ_p w_p·acc_p / Σ_p w_p·l_p   (zeros when no key contributes).
+// ---------------------------------------------------------------------------------------------------------------
+template <typename T, int HEAD>
+__global__ void __launch_bounds__(kReduceThreads) paged_decode_reduce(
+    T* __restrict__ out, long long out_stride_s, long long out_stride_h,
+    const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+    const int* __restrict__ seq_lens, int max_len, int num_heads, int tokens_per_part, int num_parts) {
+  const int s = blockIdx.x;
+  const int h = blockIdx.y;
+  const int len = clamped_len(seq_lens, s, max_len);
+  const int used = min(num_parts, (len + tokens_per_part - 1) / tokens_per_part);
+  const long long slot0 = (static_cast<long long>(s) * num_heads + h) * num_parts;
+
+  float big_m = -inf();
+  for (int p = 0; p < used; ++p) big_m = fmaxf(big_m, part_ml[(slot0 + p) * 2]);
+  float big_l = 0.0f;
+  for (int p = 0; p < used; ++p) {
+    const float mp = part_ml[(slot0 + p) * 2];
+    if (mp != -inf()) big_l += __expf(mp - big_m) * part_ml[(slot0 + p) * 2 + 1];
+  }
+  for (int d = threadIdx.x; d < HEAD; d += kReduceThreads) {
+    float o = 0.0f;
+    for (int p = 0; p < used; ++p) {
+      const float mp = part_ml[(slot0 + p) * 2];
+      if (mp != -inf()) o += __expf(mp - big_m) * part_acc[(slot0 + p) * HEAD + d];
+    }
+    out[s * out_stride_s + h * out_stride_h + d] = from_float<T>(big_l > 0.0f ? o / big_l : 0.0f);
+  }
+}
+
+}  // namespace cpa
