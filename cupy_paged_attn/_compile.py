@@ -161,8 +161,10 @@ def get_cache_write_kernel(spec: CacheWriteSpec, device_id: int) -> Any:
     return _module("cache_write.cu", spec.key, names, device_id).get_function(names[0])
 
 
-def compile_offline(filename: str, names: list[str], arch: str) -> bytes:
-    """Compile ``names`` of one kernel family for ``arch`` (e.g. ``"sm_90"``) with no GPU present; return the cubin.
+def compile_offline(filename: str, names: list[str], arch: str) -> tuple[bytes, dict[str, str]]:
+    """Compile ``names`` of one kernel family for ``arch`` (e.g. ``"sm_90"``) with no GPU present.
+
+    Returns the cubin and each name expression's lowered (mangled) symbol.
 
     Uses CuPy's private NVRTC bindings (``RawModule.compile`` needs a device); kept in this one function so a
     CuPy upgrade that moves them breaks one place. Raises RuntimeError with the NVRTC log on failure.
@@ -179,6 +181,6 @@ def compile_offline(filename: str, names: list[str], arch: str) -> bytes:
             nvrtc.compileProgram(program, list(options))
         except nvrtc.NVRTCError as exc:
             raise RuntimeError(f"{filename} ({arch}): NVRTC compilation failed:\n{nvrtc.getProgramLog(program)}") from exc
-        return nvrtc.getCUBIN(program)
+        return nvrtc.getCUBIN(program), {name: nvrtc.getLoweredName(program, name) for name in names}
     finally:
         nvrtc.destroyProgram(program)

@@ -1,0 +1,36 @@
+"""Shared fixtures: a fresh random generator per test, and the `gpu` marker's clean skip without a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+def _gpu_count() -> int:
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # no CuPy, no driver, no device: all mean "no GPU"
+        return 0
+
+
+GPU_COUNT = _gpu_count()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if GPU_COUNT:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> np.random.Generator:
+    """Fresh data for every test; the seed is printed on failure through the test id."""
+    seed = np.random.SeedSequence().entropy % 2**32
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)

@@ -1,0 +1,154 @@
+"""Random paged-attention problems for the tests, and an independent dense attention to check them against.
+
+Data is drawn fresh (never zeros); pages are scattered through a shuffled free list; every cache slot that no
+sequence uses, and every block-table entry past a sequence's length, holds poison (NaN, out-of-range ids) so
+that a kernel reading beyond a sequence shows it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
+#: (atol, rtol) of a kernel's output against the float64 reference, by storage dtype.
+TOLERANCES = {"f32": (2e-5, 2e-5), "f16": (2e-3, 2e-3), "bf16": (1.6e-2, 1.6e-2)}
+POISON_BLOCK_ID = 2**30  # in block-table entries past a sequence's length
+
+
+@dataclass
+class Problem:
+    """NumPy arrays of one decode problem, plus the dense per-sequence K/V it was built from."""
+
+    query: np.ndarray
+    key_cache: np.ndarray
+    value_cache: np.ndarray
+    block_tables: np.ndarray
+    seq_lens: np.ndarray
+    attn_bias: np.ndarray | None
+    alibi_slopes: np.ndarray | None
+    scale: float | None
+    kv_layout: str
+    dense_k: list[np.ndarray] = field(default_factory=list)  # per sequence [len, Hkv, D]
+    dense_v: list[np.ndarray] = field(default_factory=list)
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"scale": self.scale, "attn_bias": self.attn_bias, "alibi_slopes": self.alibi_slopes,
+                "kv_layout": self.kv_layout}
+
+    def args(self) -> tuple[np.ndarray, ...]:
+        return self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens
+
+
+def to_vllm_layout(k_nhd: np.ndarray, v_nhd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[N, B, Hkv, D] caches -> vLLM's key [N, Hkv, D/x, B, x] and value [N, Hkv, D, B] (copies)."""
+    n, b, h, d = k_nhd.shape
+    x = 16 // k_nhd.dtype.itemsize
+    k = np.ascontiguousarray(k_nhd.reshape(n, b, h, d // x, x).transpose(0, 2, 3, 1, 4))
+    v = np.ascontiguousarray(v_nhd.transpose(0, 2, 3, 1))
+    return k, v
+
+
+def make_problem(
+    rng: np.random.Generator,
+    seq_lens: list[int],
+    *,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_size: int = 64,
+    block_size: int = 16,
+    dtype: str = "f32",
+    kv_layout: str = "nhd",
+    bias: str = "none",  # "none" | "dense" | "broadcast-seq" | "broadcast-head" | "strided"
+    bias_dtype: str = "f32",
+    alibi: bool = False,
+    scale: float | None = None,
+    spare_blocks: int = 3,
+    extra_table_cols: int = 1,
+) -> Problem:
+    np_dtype = DTYPES[dtype]
+    num_seqs = len(seq_lens)
+    pages_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(pages_per_seq) + spare_blocks
+    max_pages = max(pages_per_seq, default=0) + extra_table_cols
+    k_cache = np.full((num_blocks, block_size, num_kv_heads, head_size), np.nan, dtype=np.float32)
+    v_cache = np.full_like(k_cache, np.nan)
+    tables = np.full((num_seqs, max_pages), POISON_BLOCK_ID, dtype=np.int32)
+    free = list(rng.permutation(num_blocks))
+    dense_k, dense_v = [], []
+    for s, n in enumerate(seq_lens):
+        k = rng.standard_normal((n, num_kv_heads, head_size)).astype(np_dtype)
+        v = rng.standard_normal((n, num_kv_heads, head_size)).astype(np_dtype)
+        dense_k.append(k)
+        dense_v.append(v)
+        for p in range(pages_per_seq[s]):
+            blk = free.pop()
+            tables[s, p] = blk
+            rows = slice(p * block_size, min(n, (p + 1) * block_size))
+            k_cache[blk, : rows.stop - rows.start] = k[rows]
+            v_cache[blk, : rows.stop - rows.start] = v[rows]
+    k_cache, v_cache = k_cache.astype(np_dtype), v_cache.astype(np_dtype)
+    if kv_layout == "vllm":
+        k_cache, v_cache = to_vllm_layout(k_cache, v_cache)
+    query = rng.standard_normal((num_seqs, num_heads, head_size)).astype(np_dtype)
+    bias_arr = make_bias(rng, bias, num_seqs, num_heads, max(seq_lens, default=0) + 5, DTYPES[bias_dtype])
+    if bias == "dense":  # the bias past each sequence's length must never be read
+        for s, n in enumerate(seq_lens):
+            bias_arr[s, :, n:] = np.nan
+    slopes = (rng.uniform(0.01, 0.5, num_heads).astype(np.float32)) if alibi else None
+    return Problem(query, k_cache, v_cache, tables, np.asarray(seq_lens, dtype=np.int32), bias_arr, slopes, scale,
+                   kv_layout, dense_k, dense_v)
+
+
+def make_bias(rng: np.random.Generator, kind: str, num_seqs: int, num_heads: int, length: int,
+              dtype: Any) -> np.ndarray | None:
+    """A bias [num_seqs, num_heads, length] whose positions past each sequence would poison the result."""
+    if kind == "none":
+        return None
+    if kind == "dense":
+        return rng.standard_normal((num_seqs, num_heads, length)).astype(dtype)
+    if kind == "broadcast-seq":  # stride 0 over sequences
+        row = rng.standard_normal((1, num_heads, length)).astype(dtype)
+        return np.broadcast_to(row, (num_seqs, num_heads, length))
+    if kind == "broadcast-head":  # stride 0 over heads
+        row = rng.standard_normal((num_seqs, 1, length)).astype(dtype)
+        return np.broadcast_to(row, (num_seqs, num_heads, length))
+    if kind == "strided":  # every other key of a wider array, heads and keys swapped in memory
+        wide = rng.standard_normal((num_seqs, 2 * length, num_heads)).astype(dtype)
+        return wide[:, ::2, :].transpose(0, 2, 1)
+    raise ValueError(kind)
+
+
+def dense_attention(problem: Problem) -> np.ndarray:
+    """Attention computed from the dense per-sequence K/V, written independently of the library's reference."""
+    q = problem.query.astype(np.float64)
+    num_seqs, num_heads, head_size = q.shape
+    scale = problem.scale if problem.scale is not None else head_size**-0.5
+    out = np.zeros((num_seqs, num_heads, head_size))
+    for s in range(num_seqs):
+        k = problem.dense_k[s].astype(np.float64)
+        v = problem.dense_v[s].astype(np.float64)
+        n = k.shape[0]
+        if n == 0:
+            continue
+        group = num_heads // k.shape[1]
+        for h in range(num_heads):
+            logits = scale * (k[:, h // group, :] @ q[s, h])
+            if problem.alibi_slopes is not None:
+                logits = logits + float(problem.alibi_slopes[h]) * (np.arange(n) - (n - 1))
+            if problem.attn_bias is not None:
+                logits = logits + problem.attn_bias[s, h, :n].astype(np.float64)
+            w = np.exp(logits - logits.max())
+            out[s, h] = (w / w.sum()) @ v[:, h // group, :]
+    return out
+
+
+def assert_close(actual: Any, expected: np.ndarray, dtype: str, what: str = "") -> None:
+    """Compare with the per-dtype tolerance; NaN never passes."""
+    actual = np.asarray(actual, dtype=np.float64)
+    assert np.isfinite(actual).all(), f"{what}: non-finite values in the result"
+    atol, rtol = TOLERANCES[dtype]
+    np.testing.assert_allclose(actual, expected, atol=atol, rtol=rtol, err_msg=what)

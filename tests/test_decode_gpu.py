@@ -1,0 +1,292 @@
+"""GPU: the decode kernel against the float64 reference, across dtypes, head sizes, page sizes, GQA ratios,
+layouts, bias kinds, ALiBi, ragged lengths and both the single-pass and split-K paths; interop with CuPy, PyTorch
+and JAX; streams and CUDA graphs; hostile device data.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from helpers import DTYPES, assert_close, make_problem
+
+import cupy_paged_attn as cpa
+from cupy_paged_attn import decode
+from cupy_paged_attn.reference import paged_attention_ref, to_numpy
+
+pytestmark = pytest.mark.gpu
+
+SEQ_LENS = [1, 15, 17, 0, 513, 700]  # 1, odd, page boundaries, empty, long, the last at the table's capacity
+HEADS = [(4, 4), (8, 2), (16, 2), (6, 2), (8, 1)]  # GQA ratios 1, 4, 8, 3 and MQA
+BIAS_KINDS = ["none", "dense", "broadcast-seq", "broadcast-head", "strided"]
+GRID = [
+    (dtype, head_size, block_size, i)
+    for i, (dtype, head_size, block_size) in enumerate(
+        itertools.product(["bf16", "f16", "f32"], [32, 64, 80, 96, 112, 120, 128, 192, 256], [8, 16, 32])
+    )
+]
+
+
+def to_cupy(arr):
+    """A CuPy copy of a NumPy array that keeps its strides (stride 0 stays 0): copy the owner, view it alike."""
+    import cupy
+
+    if arr is None:
+        return None
+    owner = arr
+    while isinstance(owner.base, np.ndarray):
+        owner = owner.base
+    if owner is arr or not owner.flags.c_contiguous:
+        return cupy.asarray(arr)
+    dev = cupy.asarray(owner)
+    offset = arr.__array_interface__["data"][0] - owner.__array_interface__["data"][0]
+    return cupy.ndarray(arr.shape, arr.dtype, dev.data + offset, arr.strides)
+
+
+def to_torch(arr, device="cuda"):
+    import torch
+
+    if arr is None:
+        return None
+    arr = np.ascontiguousarray(arr)
+    if arr.dtype == DTYPES["bf16"]:
+        return torch.from_numpy(arr.view(np.uint16)).view(torch.bfloat16).to(device)
+    return torch.from_numpy(arr).to(device)
+
+
+def device_args(p, convert):
+    return [convert(a) for a in p.args()], {**p.kwargs(), "attn_bias": convert(p.attn_bias),
+                                           "alibi_slopes": convert(p.alibi_slopes)}
+
+
+@pytest.fixture(params=["single-pass", "split-k"])
+def split(request, monkeypatch):
+    """Force one path: a 1-SM GPU never splits; a huge one always does (as far as the keys allow)."""
+    monkeypatch.setattr(decode, "_num_sms", lambda device: 1 if request.param == "single-pass" else 10**6)
+    return request.param
+
+
+def run_cupy(p, poison_out=True):
+    import cupy
+
+    args, kwargs = device_args(p, to_cupy)
+    out = cupy.full(p.query.shape, np.nan, dtype=p.query.dtype) if poison_out else None
+    result = cpa.paged_attention(*args, **kwargs, out=out)
+    cupy.cuda.get_current_stream().synchronize()
+    return to_numpy(result)
+
+
+@pytest.mark.parametrize(("dtype", "head_size", "block_size", "i"), GRID,
+                         ids=[f"{d}-d{h}-b{b}" for d, h, b, _ in GRID])
+def test_decode_grid(rng, split, dtype, head_size, block_size, i):
+    num_heads, num_kv_heads = HEADS[i % len(HEADS)]
+    layout = ["nhd", "vllm"][i % 2]
+    bias = BIAS_KINDS[i % len(BIAS_KINDS)]
+    p = make_problem(rng, SEQ_LENS, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                     block_size=block_size, dtype=dtype, kv_layout=layout, bias=bias, bias_dtype=dtype,
+                     alibi=i % 3 == 0, extra_table_cols=0)
+    what = f"{layout} heads={num_heads}/{num_kv_heads} bias={bias} alibi={i % 3 == 0} {split}"
+    assert_close(run_cupy(p), paged_attention_ref(*p.args(), **p.kwargs()), dtype, what)
+
+
+def test_single_pass_and_split_k_agree(rng, monkeypatch):
+    p = make_problem(rng, [3000, 1, 2049], num_heads=8, num_kv_heads=2, head_size=128, dtype="f32", bias="dense")
+    results = {}
+    for name, sms in (("single", 1), ("split", 10**6)):
+        monkeypatch.setattr(decode, "_num_sms", lambda device, sms=sms: sms)
+        results[name] = run_cupy(p)
+    np.testing.assert_allclose(results["single"], results["split"], atol=1e-5, rtol=1e-5)
+    assert_close(results["split"], paged_attention_ref(*p.args(), **p.kwargs()), "f32")
+
+
+@pytest.mark.parametrize(("q_dtype", "bias_dtype"), [("bf16", "f32"), ("bf16", "f16"), ("f16", "bf16"),
+                                                     ("f32", "bf16"), ("f16", "f16")])
+def test_bias_dtypes(rng, split, q_dtype, bias_dtype):
+    p = make_problem(rng, [40, 7, 300], num_heads=8, num_kv_heads=4, dtype=q_dtype, bias="dense",
+                     bias_dtype=bias_dtype)
+    assert_close(run_cupy(p), paged_attention_ref(*p.args(), **p.kwargs()), q_dtype)
+
+
+def test_long_context_split(rng):
+    p = make_problem(rng, [20000], num_heads=32, num_kv_heads=8, head_size=128, dtype="bf16", bias="dense",
+                     bias_dtype="bf16", alibi=True)
+    assert_close(run_cupy(p), paged_attention_ref(*p.args(), **p.kwargs()), "bf16")
+
+
+def test_masked_bias_gives_zeros_not_nan(rng, split):
+    p = make_problem(rng, [6, 70], num_heads=4, num_kv_heads=4, bias="dense")
+    p.attn_bias[0, :, :3] = -np.inf
+    p.attn_bias[1, 2, :70] = -np.inf  # every key of one head masked
+    out = run_cupy(p)
+    assert (out[1, 2] == 0).all()
+    assert_close(out, paged_attention_ref(*p.args(), **p.kwargs()), "f32")
+
+
+def test_empty_batch_and_empty_sequences(rng):
+    import cupy
+
+    p = make_problem(rng, [0, 0, 0], num_heads=4, num_kv_heads=2)
+    assert (run_cupy(p) == 0).all()
+    q = cupy.ones((0, 4, 64), cupy.float32)
+    k = cupy.ones((2, 16, 2, 64), cupy.float32)
+    out = cpa.paged_attention(q, k, k, cupy.zeros((0, 1), cupy.int32), cupy.zeros((0,), cupy.int32))
+    assert out.shape == (0, 4, 64)
+
+
+def test_noncontiguous_inputs_and_out_view(rng):
+    import cupy
+
+    p = make_problem(rng, [33, 5], num_heads=8, num_kv_heads=2, head_size=64, bias="strided")
+    args, kwargs = device_args(p, to_cupy)
+    wide = cupy.asarray(rng.standard_normal((2, 8, 3 * 64)).astype(np.float32))
+    wide[:, :, 64:128] = args[0]
+    args[0] = wide[:, :, 64:128]  # strided rows
+    tables = cupy.zeros((2, 2 * p.block_tables.shape[1]), cupy.int32)
+    tables[:, ::2] = args[3]
+    args[3] = tables[:, ::2]  # non-unit last stride: copied
+    out_base = cupy.full((2, 8, 128), np.nan, cupy.float32)
+    out = out_base[:, :, :64]
+    result = cpa.paged_attention(*args, **kwargs, out=out)
+    assert result is out
+    assert_close(to_numpy(out), paged_attention_ref(*p.args(), **p.kwargs()), "f32")
+    assert np.isnan(to_numpy(out_base[:, :, 64:])).all(), "out= wrote outside its view"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Frameworks
+# ---------------------------------------------------------------------------------------------------------------
+def test_torch_bf16_out_and_type(rng):
+    torch = pytest.importorskip("torch")
+    p = make_problem(rng, [1, 100, 17], num_heads=16, num_kv_heads=4, head_size=128, dtype="bf16", bias="dense",
+                     bias_dtype="bf16", alibi=True)
+    args, kwargs = device_args(p, to_torch)
+    result = cpa.paged_attention(*args, **kwargs)
+    assert isinstance(result, torch.Tensor) and result.dtype == torch.bfloat16 and result.is_cuda
+    expected = paged_attention_ref(*p.args(), **p.kwargs())
+    assert_close(to_numpy(result), expected, "bf16")
+    out = torch.full_like(args[0], float("nan"))
+    assert cpa.paged_attention(*args, **kwargs, out=out) is out
+    assert_close(to_numpy(out), expected, "bf16")
+    args[0].requires_grad_(False)
+    q_grad = args[0].float().requires_grad_(True).to(torch.bfloat16)  # a tensor in an autograd graph
+    assert_close(to_numpy(cpa.paged_attention(q_grad, *args[1:], **kwargs)), expected, "bf16")
+
+
+def test_torch_current_stream_and_graph(rng):
+    torch = pytest.importorskip("torch")
+    p = make_problem(rng, [300, 64, 5], num_heads=8, num_kv_heads=2, head_size=64, dtype="f16", bias="dense",
+                     bias_dtype="f16")
+    args, kwargs = device_args(p, to_torch)
+    expected = paged_attention_ref(*p.args(), **p.kwargs())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(10_000_000)  # the launch must queue behind this on `side`
+        result = cpa.paged_attention(*args, **kwargs)
+    side.synchronize()
+    assert_close(to_numpy(result), expected, "f16")
+
+    out = torch.full_like(args[0], float("nan"))
+    graph_stream = torch.cuda.Stream()
+    graph_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(graph_stream):
+        cpa.paged_attention(*args, **kwargs, out=out)  # warm-up: compile outside the capture
+    torch.cuda.current_stream().wait_stream(graph_stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cpa.paged_attention(*args, **kwargs, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(to_numpy(out), expected, "f16")
+    new_q = torch.randn_like(args[0])
+    args[0].copy_(new_q)  # replay reads the captured buffers' new contents
+    graph.replay()
+    torch.cuda.synchronize()
+    p.query = to_numpy(new_q)
+    assert_close(to_numpy(out), paged_attention_ref(*p.args(), **p.kwargs()), "f16")
+
+
+def test_torch_explicit_stream_argument(rng):
+    torch = pytest.importorskip("torch")
+    import cupy
+
+    p = make_problem(rng, [50, 9], num_heads=4, num_kv_heads=4, dtype="f32")
+    args, kwargs = device_args(p, to_torch)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    result = cpa.paged_attention(*args, **kwargs, stream=s)
+    s.synchronize()
+    assert_close(to_numpy(result), paged_attention_ref(*p.args(), **p.kwargs()), "f32")
+    with pytest.raises(TypeError, match="stream: a torch stream"):
+        cpa.paged_attention(*device_args(p, to_cupy)[0], stream=s)
+    with pytest.raises(TypeError, match="stream: expected"):
+        cpa.paged_attention(*args, stream="default")
+    cupy_stream = cupy.cuda.Stream(non_blocking=True)
+    cupy_args = device_args(p, to_cupy)
+    result = cpa.paged_attention(*cupy_args[0], **cupy_args[1], stream=cupy_stream)
+    cupy_stream.synchronize()
+    assert_close(to_numpy(result), paged_attention_ref(*p.args(), **p.kwargs()), "f32")
+
+
+def test_jax_bf16(rng):
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("jax has no GPU")
+    p = make_problem(rng, [1, 100, 17], num_heads=8, num_kv_heads=2, head_size=64, dtype="bf16", bias="dense",
+                     bias_dtype="f32")
+    args, kwargs = device_args(p, lambda a: None if a is None else jnp.asarray(np.ascontiguousarray(a)))
+    result = cpa.paged_attention(*args, **kwargs)
+    assert isinstance(result, jax.Array) and result.dtype == jnp.bfloat16
+    assert_close(to_numpy(result), paged_attention_ref(*p.args(), **p.kwargs()), "bf16")
+    with pytest.raises(TypeError, match="out: JAX arrays are immutable"):
+        cpa.paged_attention(*args, **kwargs, out=args[0])
+
+
+def test_mixed_frameworks_rejected(rng):
+    torch = pytest.importorskip("torch")
+    p = make_problem(rng, [5], num_heads=4, num_kv_heads=4)
+    args = [to_torch(a) for a in p.args()]
+    args[1] = to_cupy(p.key_cache)
+    with pytest.raises(TypeError, match="key_cache: all arrays must come from one framework"):
+        cpa.paged_attention(*args)
+    cpu_q = torch.from_numpy(p.query)
+    with pytest.raises(ValueError, match="query: expected a CUDA tensor"):
+        cpa.paged_attention(cpu_q, *[to_torch(a) for a in p.args()[1:]])
+
+
+def test_second_gpu(rng):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    p = make_problem(rng, [100, 3], num_heads=8, num_kv_heads=2, dtype="bf16", bias="dense", bias_dtype="bf16")
+    args, kwargs = device_args(p, lambda a: to_torch(a, "cuda:1"))
+    result = cpa.paged_attention(*args, **kwargs)
+    assert result.device == torch.device("cuda:1")
+    assert_close(to_numpy(result), paged_attention_ref(*p.args(), **p.kwargs()), "bf16")
+    mixed = [to_torch(p.query, "cuda:0"), *args[1:]]
+    with pytest.raises(ValueError, match="expected an array on device 0"):
+        cpa.paged_attention(*mixed)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hostile device data: never a fault, whatever the indices say
+# ---------------------------------------------------------------------------------------------------------------
+def test_hostile_block_ids_and_lengths_stay_in_bounds(rng, split):
+    import cupy
+
+    p = make_problem(rng, [40, 30, 20, 10], num_heads=4, num_kv_heads=2, bias="dense")
+    tables = p.block_tables.copy()
+    tables[0, 1] = -7  # used entries outside [0, num_blocks)
+    tables[1, 0] = 2**31 - 1
+    lens = np.array([40, -5, 10**9, 10], np.int32)  # negative and far past the table's capacity
+    args, kwargs = device_args(p, to_cupy)
+    args[3], args[4] = cupy.asarray(tables), cupy.asarray(lens)
+    out = cpa.paged_attention(*args, **kwargs)
+    cupy.cuda.get_current_stream().synchronize()  # an illegal access would raise here
+    out = to_numpy(out)
+    assert (out[1] == 0).all(), "a negative length reads nothing"
+    assert_close(out[3], paged_attention_ref(*p.args(), **p.kwargs())[3], "f32")
+    assert not np.isnan(out[[0, 3]]).any()
