@@ -47,8 +47,8 @@ def check_ndim(name: str, arr: Any, ndim: int, dims: str) -> None:
 def check_shape(name: str, arr: Any, expected: tuple[Any, ...], dims: str) -> None:
     """``expected`` holds ints, or None for a dimension that may be anything."""
     shape = tuple(arr.shape)
-    if len(shape) != len(expected) or any(e is not None and e != s for e, s in zip(expected, shape)):
-        want = ", ".join("*" if e is None else str(e) for e in expected)
+    if len(shape) != len(expected) or any(e is not None and e != s for e, s in zip(expected, shape, strict=False)):
+        want = ", ".join("*" if e is None else str(e) for e in expected) + ("," if len(expected) == 1 else "")
         raise ValueError(f"{name}: expected shape ({want}) {dims}, got {shape}")
 
 
@@ -86,11 +86,12 @@ class CacheGeometry:
     block_stride: int  # elements between pages
 
 
-def check_caches(key_cache: Any, value_cache: Any, kv_layout: str, dtype: Any, head_size: int | None) -> CacheGeometry:
+def check_caches(key_cache: Any, value_cache: Any, kv_layout: str, dtype: Any, head_size: int, source: str
+                 ) -> CacheGeometry:
     """Shapes, dtypes and contiguity of ``key_cache`` / ``value_cache`` for ``kv_layout``.
 
     The page dimension may have any stride (a cache may be a view of a larger [num_blocks, 2, ...] array); the
-    dimensions inside a page must be contiguous.
+    dimensions inside a page must be contiguous. ``source`` names the argument ``dtype`` and ``head_size`` came from.
     """
     itemsize = np.dtype(dtype).itemsize
     x = 16 // itemsize
@@ -113,11 +114,14 @@ def check_caches(key_cache: Any, value_cache: Any, kv_layout: str, dtype: Any, h
             "value_cache", value_cache, (num_blocks, num_kv_heads, d, block_size),
             "[num_blocks, num_kv_heads, head_size, block_size]",
         )
-    if head_size is not None and d != head_size:
-        raise ValueError(f"key_cache: expected head_size {head_size} (from query), got {d}")
+    if d != head_size:
+        raise ValueError(f"key_cache: expected head_size {head_size} (from {source}), got {d}")
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         if np.dtype(cache.dtype) != np.dtype(dtype):
-            raise ValueError(f"{name}: expected dtype {np.dtype(dtype)} (the query's), got {cache.dtype}")
+            raise ValueError(f"{name}: expected dtype {np.dtype(dtype)} (the {source}'s), got {cache.dtype}")
+    if 0 in key_cache.shape[1:]:
+        raise ValueError(f"key_cache: expected block_size, num_kv_heads and head_size >= 1, got shape "
+                         f"{tuple(key_cache.shape)}")
     if block_size not in _compile.BLOCK_SIZES:
         raise NotImplementedError(
             f"key_cache: block_size {block_size} is not supported; supported: "
@@ -185,9 +189,15 @@ class DecodeProblem:
 def check_scale(scale: Any, head_size: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_size)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(float(scale)):
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected None or a finite real number, got {type(scale).__name__} {scale!r}")
+    try:
+        value = float(scale)
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
         raise ValueError(f"scale: expected None or a finite real number, got {scale!r}")
-    return float(scale)
+    return value
 
 
 def check_decode(
@@ -212,7 +222,7 @@ def check_decode(
     check_head_size("query", head_size)
     if num_heads == 0:
         raise ValueError(f"query: expected num_heads >= 1, got shape {tuple(query.shape)}")
-    cache = check_caches(key_cache, value_cache, layout, query.dtype, head_size)
+    cache = check_caches(key_cache, value_cache, layout, query.dtype, head_size, "query")
     if num_heads % cache.num_kv_heads:
         raise ValueError(
             f"key_cache: num_kv_heads ({cache.num_kv_heads}) must divide the query's num_heads ({num_heads})"
@@ -265,7 +275,9 @@ def check_host_data(problem: DecodeProblem) -> None:
     tables = np.asarray(problem.block_tables)
     for s, n in enumerate(seq_lens.tolist()):
         if n < 0 or n > problem.max_len:
-            limit = "max_blocks_per_seq * block_size" + (" and the bias length L" if problem.attn_bias is not None else "")
+            limit = "max_blocks_per_seq * block_size"
+            if problem.attn_bias is not None:
+                limit += " and the bias length L"
             raise ValueError(f"seq_lens: sequence {s} has length {n}, outside [0, {problem.max_len}] ({limit})")
         used = tables[s, : -(-n // problem.cache.block_size)]
         bad = (used < 0) | (used >= problem.cache.num_blocks)
@@ -300,7 +312,7 @@ def check_cache_write(key: Any, value: Any, key_cache: Any, value_cache: Any, sl
         raise ValueError(f"value: expected dtype {key.dtype} (the key's), got {value.dtype}")
     num_tokens, num_kv_heads, head_size = key.shape
     check_head_size("key", head_size)
-    cache = check_caches(key_cache, value_cache, layout, key.dtype, head_size)
+    cache = check_caches(key_cache, value_cache, layout, key.dtype, head_size, "key")
     if cache.num_kv_heads != num_kv_heads:
         raise ValueError(f"key_cache: expected num_kv_heads {num_kv_heads} (from key), got {cache.num_kv_heads}")
     check_shape("slot_mapping", slot_mapping, (num_tokens,), "[num_tokens]")

@@ -127,7 +127,7 @@ _NVRTC_HINT = (
 
 def _compile_error(key: str, exc: Exception) -> RuntimeError:
     log = getattr(exc, "get_message", lambda: str(exc))()
-    if "cuda_fp16.h" in log or "cuda_bf16.h" in log or "nvrtc" in type(exc).__name__.lower() and "load" in log:
+    if "cuda_fp16.h" in log or "cuda_bf16.h" in log or ("nvrtc" in type(exc).__name__.lower() and "load" in log):
         return RuntimeError(f"{key}: {_NVRTC_HINT}\n{log}")
     return RuntimeError(f"{key}: NVRTC compilation failed:\n{log}")
 
@@ -180,7 +180,8 @@ def compile_offline(filename: str, names: list[str], arch: str) -> tuple[bytes, 
         try:
             nvrtc.compileProgram(program, list(options))
         except nvrtc.NVRTCError as exc:
-            raise RuntimeError(f"{filename} ({arch}): NVRTC compilation failed:\n{nvrtc.getProgramLog(program)}") from exc
+            log = nvrtc.getProgramLog(program)
+            raise RuntimeError(f"{filename} ({arch}): NVRTC compilation failed:\n{log}") from exc
         return nvrtc.getCUBIN(program), {name: nvrtc.getLoweredName(program, name) for name in names}
     finally:
         nvrtc.destroyProgram(program)

@@ -23,14 +23,15 @@ def framework_of(name: str, x: Any) -> str:
         return _FRAMEWORKS[top]
     if hasattr(x, "__dlpack__"):
         return "dlpack"
-    raise TypeError(f"{name}: expected a NumPy, CuPy, PyTorch or JAX array, got {type(x).__module__}.{type(x).__name__}")
+    kind = "None" if x is None else f"{type(x).__module__}.{type(x).__name__}"
+    raise TypeError(f"{name}: expected a NumPy, CuPy, PyTorch or JAX array, got {kind}")
 
 
-def common_framework(named: dict[str, Any]) -> str:
-    """The one framework of all non-None operands; TypeError naming the odd one out if they are mixed."""
+def common_framework(named: dict[str, Any], optional: tuple[str, ...]) -> str:
+    """The one framework of all operands (``optional`` ones may be None); TypeError naming the odd one out."""
     found: dict[str, str] = {}
     for name, x in named.items():
-        if x is not None:
+        if x is not None or name not in optional:
             found[name] = framework_of(name, x)
     first_name, first = next(iter(found.items()))
     for name, fw in found.items():

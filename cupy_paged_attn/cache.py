@@ -70,7 +70,7 @@ def reshape_and_cache(
     """
     named = {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
              "slot_mapping": slot_mapping}
-    framework = _interop.common_framework(named)
+    framework = _interop.common_framework(named, optional=())
     if framework == "numpy":
         return reference.reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping, kv_layout=kv_layout)
 

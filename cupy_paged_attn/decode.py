@@ -201,18 +201,15 @@ def paged_attention(
         "query": query, "key_cache": key_cache, "value_cache": value_cache, "block_tables": block_tables,
         "seq_lens": seq_lens, "attn_bias": attn_bias, "alibi_slopes": alibi_slopes, "out": out,
     }
-    framework = _interop.common_framework(named)
+    framework = _interop.common_framework(named, optional=("attn_bias", "alibi_slopes", "out"))
     if framework == "numpy":
         if stream is not None:
             raise TypeError("stream: NumPy arrays run on the CPU; expected stream=None")
         result = reference.paged_attention_ref(
             query, key_cache, value_cache, block_tables, seq_lens,
-            scale=scale, attn_bias=attn_bias, alibi_slopes=alibi_slopes, kv_layout=kv_layout,
+            scale=scale, attn_bias=attn_bias, alibi_slopes=alibi_slopes, kv_layout=kv_layout, out=out,
         )
-        if out is None:
-            return result.astype(query.dtype)
-        out[...] = result.astype(out.dtype)
-        return out
+        return result if out is not None else result.astype(query.dtype)
     if framework == "jax" and out is not None:
         raise TypeError("out: JAX arrays are immutable; call without out= and use the returned array")
 

@@ -124,6 +124,9 @@ def reshape_and_cache_ref(
     """Reference of :func:`cupy_paged_attn.reshape_and_cache`: writes the NumPy caches in place and returns them."""
     key, value, slot_mapping = to_numpy(key), to_numpy(value), to_numpy(slot_mapping)
     problem = _checks.check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_layout)
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not cache.flags.writeable:
+            raise ValueError(f"{name}: expected a writeable array (the cache is written in place), got a read-only one")
     _checks.check_slots_host(problem)
     bs = problem.cache.block_size
     for t, slot in enumerate(slot_mapping.tolist()):

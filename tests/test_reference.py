@@ -93,7 +93,7 @@ def test_reshape_and_cache_round_trip(rng, layout, slot_dtype):
         keys.append(p.dense_k[s])
         values.append(p.dense_v[s])
         slots.extend(int(p.block_tables[s, j // bs]) * bs + j % bs for j in range(n))
-    slots_arr = np.asarray(slots + [-1], dtype=slot_dtype)  # a padding token with slot -1 is skipped
+    slots_arr = np.asarray([*slots, -1], dtype=slot_dtype)  # a padding token with slot -1 is skipped
     key = np.concatenate([*keys, keys[0][:1]])
     value = np.concatenate([*values, values[0][:1]])
     result = cpa.reshape_and_cache(key, value, k_cache, v_cache, slots_arr, kv_layout=layout)
