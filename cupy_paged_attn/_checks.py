@@ -14,7 +14,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from . import _compile
+from . import _compile, _interop
 
 #: Query / cache dtypes by short name.
 DTYPES = {
@@ -71,10 +71,6 @@ def check_head_size(name: str, head_size: int) -> None:
         )
 
 
-def pointer(arr: Any) -> int:
-    return int(arr.ctypes.data) if isinstance(arr, np.ndarray) else int(arr.data.ptr)
-
-
 @dataclass
 class CacheGeometry:
     """The paged caches, whatever their layout."""
@@ -124,8 +120,8 @@ def check_caches(key_cache: Any, value_cache: Any, kv_layout: str, dtype: Any, h
                          f"{tuple(key_cache.shape)}")
     if block_size not in _compile.BLOCK_SIZES:
         raise NotImplementedError(
-            f"key_cache: block_size {block_size} is not supported; supported: "
-            f"{', '.join(map(str, _compile.BLOCK_SIZES))}"
+            f"key_cache: block_size {block_size} is not supported; supported: powers of two up to "
+            f"{_compile.BLOCK_SIZES[-1]}"
         )
     if num_blocks == 0:
         raise ValueError("key_cache: expected at least one block, got num_blocks = 0")
@@ -142,7 +138,7 @@ def check_caches(key_cache: Any, value_cache: Any, kv_layout: str, dtype: Any, h
             raise ValueError(
                 f"{name}: page stride must be >= {page} elements and a multiple of {x}, got {strides[0]}"
             )
-        if pointer(cache) % 16:
+        if _interop.data_ptr(cache) % 16:
             raise ValueError(f"{name}: data must be 16-byte aligned")
     if num_blocks > 1 and k_strides[0] != v_strides[0]:
         raise ValueError(f"value_cache: expected the page stride of key_cache ({k_strides[0]}), got {v_strides[0]}")

@@ -1,7 +1,7 @@
 """Kernel sources, specialisation keys and the compiled-kernel cache.
 
-A specialisation is everything a kernel needs at compile time (dtype, head size, page size, layout, heads per CTA,
-bias mode). Its readable key, e.g. ``paged_decode_bf16_d128_b16_nhd_g4_bias-dense-f32``, names the cached kernel,
+A specialisation is everything a kernel needs at compile time (dtype, head size, layout, heads per CTA, bias mode).
+Its readable key, e.g. ``paged_decode_bf16_d128_nhd_g4_bias-dense-f32``, names the cached kernel,
 the log line and the test id. Compiled modules live in :func:`functools.cache` here and in CuPy's own disk cache.
 """
 
@@ -19,7 +19,8 @@ _log = logging.getLogger("cupy_paged_attn")
 #: Storage dtypes by short name, with the CUDA type that holds them.
 CUDA_TYPES = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16"}
 HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
-BLOCK_SIZES = (8, 16, 32)
+#: Page sizes: any power of two up to 256 (a run-time parameter of the kernels, not a specialisation).
+BLOCK_SIZES = tuple(2**i for i in range(9))
 KV_LAYOUTS = ("nhd", "vllm")
 HEADS_PER_CTA = (1, 2, 4, 8)
 #: Bias modes of the decode kernel: "none", or "dense-<dtype of the bias>".
@@ -61,7 +62,6 @@ class DecodeSpec:
 
     dtype: str  # "f32" | "f16" | "bf16"
     head_size: int
-    block_size: int
     layout: str  # "nhd" | "vllm"
     heads_per_cta: int
     bias: str  # one of BIAS_MODES
@@ -69,7 +69,7 @@ class DecodeSpec:
     @property
     def key(self) -> str:
         return (
-            f"paged_decode_{self.dtype}_d{self.head_size}_b{self.block_size}_{self.layout}"
+            f"paged_decode_{self.dtype}_d{self.head_size}_{self.layout}"
             f"_g{self.heads_per_cta}_bias-{self.bias}"
         )
 
@@ -78,7 +78,7 @@ class DecodeSpec:
         t = CUDA_TYPES[self.dtype]
         bias = "cpa::NoBias" if self.bias == "none" else f"cpa::DenseBias<{CUDA_TYPES[self.bias.split('-')[1]]}>"
         main = (
-            f"cpa::paged_decode<{t}, {self.head_size}, {self.block_size}, {_CUDA_LAYOUT[self.layout]}, "
+            f"cpa::paged_decode<{t}, {self.head_size}, {_CUDA_LAYOUT[self.layout]}, "
             f"{self.heads_per_cta}, {bias}>"
         )
         return main, f"cpa::paged_decode_reduce<{t}, {self.head_size}>"
@@ -104,10 +104,9 @@ class CacheWriteSpec:
 def all_decode_specs() -> list[DecodeSpec]:
     """Every decode specialisation the library can launch."""
     return [
-        DecodeSpec(dt, d, b, lay, g, bias)
+        DecodeSpec(dt, d, lay, g, bias)
         for dt in CUDA_TYPES
         for d in HEAD_SIZES
-        for b in BLOCK_SIZES
         for lay in KV_LAYOUTS
         for g in HEADS_PER_CTA
         for bias in BIAS_MODES
@@ -148,13 +147,18 @@ def _module(filename: str, key: str, names: tuple[str, ...], device_id: int) -> 
     return module
 
 
-def get_decode_kernels(spec: DecodeSpec, device_id: int) -> tuple[Any, Any]:
-    """The compiled ``(paged_decode, paged_decode_reduce)`` pair of ``spec`` on ``device_id``."""
+@functools.cache
+def get_decode_kernels(spec: DecodeSpec, device_id: int, dynamic_smem: int) -> tuple[Any, Any]:
+    """The compiled ``(paged_decode, paged_decode_reduce)`` pair of ``spec`` on ``device_id``, the first allowed
+    ``dynamic_smem`` bytes of dynamic shared memory (past the default 48 KB, CUDA wants it said)."""
     names = spec.name_expressions()
     module = _module("paged_decode.cu", spec.key, names, device_id)
-    return module.get_function(names[0]), module.get_function(names[1])
+    kernel = module.get_function(names[0])
+    kernel.max_dynamic_shared_size_bytes = dynamic_smem
+    return kernel, module.get_function(names[1])
 
 
+@functools.cache
 def get_cache_write_kernel(spec: CacheWriteSpec, device_id: int) -> Any:
     """The compiled ``reshape_and_cache`` kernel of ``spec`` on ``device_id``."""
     names = spec.name_expressions()

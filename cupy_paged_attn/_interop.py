@@ -1,15 +1,21 @@
 """The boundary with the caller's framework: wrap operands on the way in, answer in the caller's type on the way out.
 
 Supported operands: NumPy arrays (CPU path, run by the reference), and CUDA arrays of CuPy, PyTorch and JAX (or any
-other object with ``__dlpack__``, treated as CuPy would). torch and jax are imported lazily, only when an operand
+other object with ``__dlpack__``, imported as CuPy would). torch and jax are imported lazily, only when an operand
 of theirs arrives, so neither is a dependency.
+
+Wrapped GPU operands are CuPy arrays, except torch tensors: they are read directly (pointer, shape, strides) through
+:class:`TorchArray`, which costs far less per call than a DLPack round trip, and they are already ordered on
+torch's current stream, where the kernels launch.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 #: Frameworks by the top-level module of an operand's type.
@@ -44,29 +50,64 @@ def common_framework(named: dict[str, Any], optional: tuple[str, ...]) -> str:
 
 @dataclass
 class Operand:
-    """One wrapped argument: ``array`` is a NumPy array (CPU path) or a CuPy view of the caller's memory."""
+    """One wrapped argument: ``array`` is a NumPy array (CPU path), a CuPy array or a :class:`TorchArray`."""
 
     name: str
     array: Any
     device: int  # CUDA device ordinal, -1 on the CPU
 
 
-def _torch_to_cupy(name: str, x: Any) -> Any:
-    import cupy
+# ---------------------------------------------------------------------------------------------------------------
+# torch
+# ---------------------------------------------------------------------------------------------------------------
+def _torch_numpy_dtypes() -> dict[Any, np.dtype]:
+    import torch
 
+    return {
+        torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
+        torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
+        torch.int8: np.dtype(np.int8), torch.uint8: np.dtype(np.uint8), torch.int16: np.dtype(np.int16),
+        torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64), torch.bool: np.dtype(np.bool_),
+        torch.complex64: np.dtype(np.complex64), torch.complex128: np.dtype(np.complex128),
+    }
+
+
+_TORCH_DTYPES: dict[Any, np.dtype] = {}
+
+
+class TorchArray:
+    """A CUDA tensor seen through what the checks and launches read: shape, NumPy dtype, byte strides, pointer."""
+
+    __slots__ = ("dtype", "ndim", "ptr", "shape", "strides", "tensor")
+
+    def __init__(self, name: str, tensor: Any) -> None:
+        if not _TORCH_DTYPES:
+            _TORCH_DTYPES.update(_torch_numpy_dtypes())
+        try:
+            self.dtype = _TORCH_DTYPES[tensor.dtype]
+        except KeyError:
+            raise ValueError(f"{name}: unsupported dtype {tensor.dtype}") from None
+        self.tensor = tensor
+        self.shape = tuple(tensor.shape)
+        self.ndim = len(self.shape)
+        self.strides = tuple(s * self.dtype.itemsize for s in tensor.stride())
+        self.ptr = tensor.data_ptr()
+
+
+def _check_torch_device(name: str, x: Any) -> int:
     if x.device.type != "cuda":
         raise ValueError(
             f"{name}: expected a CUDA tensor, got a tensor on {x.device}; pass NumPy arrays for the CPU path"
         )
-    return cupy.from_dlpack(x.detach())
+    return int(x.device.index)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Wrapping
+# ---------------------------------------------------------------------------------------------------------------
 def _jax_to_cupy(name: str, x: Any) -> Any:
     import cupy
 
-    platforms = {d.platform for d in x.devices()}
-    if platforms != {"gpu"}:
-        raise ValueError(f"{name}: expected a JAX array on one GPU, got one on {sorted(platforms)}")
     try:
         return cupy.from_dlpack(x)
     except BufferError as exc:  # JAX exports only compact strides
@@ -74,12 +115,16 @@ def _jax_to_cupy(name: str, x: Any) -> Any:
 
 
 def wrap(name: str, x: Any, framework: str) -> Operand:
-    """Wrap one operand of ``framework`` (already checked to be its framework)."""
+    """Wrap one operand of ``framework`` (already checked to be its framework).
+
+    CuPy imports (JAX, other DLPack producers) happen on CuPy's current stream: call this inside the launch
+    stream's context so the producer orders its pending work before the launch.
+    """
     if framework == "numpy":
         return Operand(name, np.asarray(x), -1)
     if framework == "torch":
-        arr = _torch_to_cupy(name, x)
-    elif framework == "jax":
+        return Operand(name, TorchArray(name, x), _check_torch_device(name, x))
+    if framework == "jax":
         arr = _jax_to_cupy(name, x)
     elif framework == "cupy":
         arr = x
@@ -93,13 +138,11 @@ def wrap(name: str, x: Any, framework: str) -> Operand:
 def device_of(name: str, x: Any, framework: str) -> int:
     """CUDA ordinal of a GPU operand before it is wrapped (to enter its device and read its stream)."""
     if framework == "torch":
-        if x.device.type != "cuda":
-            _torch_to_cupy(name, x)  # raises the CPU-tensor error
-        return int(x.device.index)
+        return _check_torch_device(name, x)
     if framework == "jax":
         devices = list(x.devices())
         if len(devices) != 1 or devices[0].platform != "gpu":
-            _jax_to_cupy(name, x)  # raises the placement error
+            raise ValueError(f"{name}: expected a JAX array on one GPU, got one on {devices}")
         return int(devices[0].local_hardware_id)
     if framework == "cupy":
         return int(x.device.id)
@@ -120,14 +163,49 @@ def same_device(operands: list[Operand]) -> int:
     return first.device
 
 
+def data_ptr(arr: Any) -> int:
+    """Device (or host) address of a wrapped array's first element."""
+    if isinstance(arr, TorchArray):
+        return arr.ptr
+    if isinstance(arr, np.ndarray):
+        return int(arr.ctypes.data)
+    return int(arr.data.ptr)
+
+
+def kernel_arg(arr: Any) -> np.uint64:
+    """A wrapped GPU array as a kernel's pointer argument."""
+    return np.uint64(data_ptr(arr))
+
+
+def contiguous(arr: Any) -> Any:
+    """A C-contiguous copy of a wrapped GPU array, in its own framework's memory (for inputs only)."""
+    if isinstance(arr, TorchArray):
+        return TorchArray("copy", arr.tensor.contiguous())
+    import cupy
+
+    return cupy.ascontiguousarray(arr)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Streams
 # ---------------------------------------------------------------------------------------------------------------
-def resolve_stream(stream: Any, framework: str, device: int, like: Any) -> Any:
-    """The CuPy stream to launch on: ``stream`` if given, else the framework's current stream on ``device``.
+class StreamPtr:
+    """The one thing a CuPy launch reads from its ``stream=``: ``ptr``, the ``cudaStream_t``. ``torch_stream`` is
+    the torch stream a caller passed explicitly (None for torch's current stream): torch allocates on it."""
+
+    __slots__ = ("ptr", "torch_stream")
+
+    def __init__(self, ptr: int, torch_stream: Any = None) -> None:
+        self.ptr = ptr
+        self.torch_stream = torch_stream
+
+
+def resolve_stream(stream: Any, framework: str, device: int) -> Any:
+    """The stream to launch on: ``stream`` if given, else the framework's current stream on ``device``.
 
     Accepts a CuPy stream, a ``torch.cuda.Stream`` (torch operands only) or a raw ``cudaStream_t`` as an int. The
     current stream is read on every call, never cached, so CUDA-graph capture and ``torch.cuda.stream()`` work.
+    Returns a CuPy stream (usable as a context for DLPack imports) or, for torch, a :class:`StreamPtr`.
     """
     import cupy
 
@@ -135,9 +213,13 @@ def resolve_stream(stream: Any, framework: str, device: int, like: Any) -> Any:
         if framework == "torch":
             import torch
 
-            return cupy.cuda.Stream.from_external(torch.cuda.current_stream(like.device))
+            return StreamPtr(torch.cuda.current_stream(device).cuda_stream)
         return cupy.cuda.get_current_stream()
     if isinstance(stream, int) and not isinstance(stream, bool):
+        if framework == "torch":
+            import torch
+
+            return StreamPtr(stream, torch.cuda.ExternalStream(stream, device=device))
         return cupy.cuda.Stream.from_external(_RawStream(stream, device))
     module = type(stream).__module__.split(".")[0]
     if module == "cupy" and hasattr(stream, "ptr"):
@@ -145,7 +227,7 @@ def resolve_stream(stream: Any, framework: str, device: int, like: Any) -> Any:
     if module == "torch" and hasattr(stream, "cuda_stream"):
         if framework != "torch":
             raise TypeError(f"stream: a torch stream cannot order {framework} arrays; pass a CuPy stream or an int")
-        return cupy.cuda.Stream.from_external(stream)
+        return StreamPtr(stream.cuda_stream, stream)
     raise TypeError(
         f"stream: expected None, a CuPy stream, a torch.cuda.Stream or a cudaStream_t int, got {type(stream).__name__}"
     )
@@ -165,11 +247,14 @@ class _RawStream:
 # ---------------------------------------------------------------------------------------------------------------
 # Results in the caller's type
 # ---------------------------------------------------------------------------------------------------------------
-def empty(framework: str, shape: tuple[int, ...], dtype: Any, like: Any) -> tuple[Any, Any]:
-    """Allocate ``(result_for_caller, cupy_or_numpy_view)`` of ``shape`` and ``dtype`` where ``like`` lives.
+def empty(framework: str, shape: tuple[int, ...], dtype: Any, like: Any, stream: Any) -> tuple[Any, Any]:
+    """Allocate ``(result_for_caller, wrapped_view)`` of ``shape`` and ``dtype`` where ``like`` lives, for use on
+    ``stream`` (from :func:`resolve_stream`).
 
-    torch results are allocated by torch (its caching allocator, safe under CUDA-graph capture); CuPy and JAX
-    results by CuPy (JAX arrays are then made zero-copy from the CuPy buffer by :func:`finish`).
+    torch results are allocated by torch (its caching allocator, safe under CUDA-graph capture), on the launch
+    stream so that the allocator never hands the memory to other work while the kernel may still use it. CuPy and
+    JAX results are allocated by CuPy, whose pool is stream-ordered too (JAX arrays are then made zero-copy from
+    the CuPy buffer by :func:`finish`).
     """
     if framework == "numpy":
         arr = np.empty(shape, dtype=dtype)
@@ -177,8 +262,9 @@ def empty(framework: str, shape: tuple[int, ...], dtype: Any, like: Any) -> tupl
     if framework == "torch":
         import torch
 
-        result = torch.empty(shape, dtype=_torch_dtype(dtype), device=like.device)
-        return result, _torch_to_cupy("out", result)
+        with torch.cuda.stream(stream.torch_stream) if stream.torch_stream is not None else contextlib.nullcontext():
+            result = torch.empty(shape, dtype=_torch_dtype(dtype), device=like.device)
+        return result, TorchArray("out", result)
     import cupy
 
     arr = cupy.empty(shape, dtype=dtype)
@@ -195,12 +281,7 @@ def finish(framework: str, result: Any) -> Any:
 
 
 def _torch_dtype(dtype: Any) -> Any:
-    import ml_dtypes
-    import torch
-
-    table = {
-        np.dtype(np.float16): torch.float16,
-        np.dtype(np.float32): torch.float32,
-        np.dtype(ml_dtypes.bfloat16): torch.bfloat16,
-    }
-    return table[np.dtype(dtype)]
+    if not _TORCH_DTYPES:
+        _TORCH_DTYPES.update(_torch_numpy_dtypes())
+    wanted = np.dtype(dtype)
+    return next(t for t, d in _TORCH_DTYPES.items() if d == wanted)

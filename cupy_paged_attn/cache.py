@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -15,13 +16,11 @@ _THREADS = 128  # kCacheThreads in cache_write.cu
 
 def _vector_ready(arr: Any) -> Any:
     """``arr`` if the kernel can read it in 16-byte vectors (unit last stride, aligned rows), else a copy."""
-    import cupy
-
     vec = 16 // arr.dtype.itemsize
     strides = _checks.element_strides(arr)
-    if strides[-1] == 1 and strides[0] % vec == 0 and strides[1] % vec == 0 and arr.data.ptr % 16 == 0:
+    if strides[-1] == 1 and strides[0] % vec == 0 and strides[1] % vec == 0 and _interop.data_ptr(arr) % 16 == 0:
         return arr
-    return cupy.ascontiguousarray(arr)
+    return _interop.contiguous(arr)
 
 
 def reshape_and_cache(
@@ -78,8 +77,8 @@ def reshape_and_cache(
 
     device = _interop.device_of("key", key, framework)
     with cupy.cuda.Device(device):
-        stream = _interop.resolve_stream(None, framework, device, key)
-        with stream:
+        stream = _interop.resolve_stream(None, framework, device)
+        with stream if isinstance(stream, cupy.cuda.Stream) else contextlib.nullcontext():
             ops = {name: _interop.wrap(name, x, framework) for name, x in named.items()}
             _interop.same_device(list(ops.values()))
             arr = {name: op.array for name, op in ops.items()}
@@ -94,13 +93,16 @@ def reshape_and_cache(
                 spec = _compile.CacheWriteSpec(problem.dtype, problem.kv_layout, slot_dtype)
                 kernel = _compile.get_cache_write_kernel(spec, device)
                 k, v = _vector_ready(problem.key), _vector_ready(problem.value)
+                slots = problem.slot_mapping
+                if slots.strides[0] != slots.dtype.itemsize:
+                    slots = _interop.contiguous(slots)
                 ks, vs = _checks.element_strides(k), _checks.element_strides(v)
-                i64, i32 = np.int64, np.int32
+                ptr, i64, i32 = _interop.kernel_arg, np.int64, np.int32
                 kernel(
                     (problem.num_tokens,), (_THREADS,),
                     (
-                        k, i64(ks[0]), i64(ks[1]), v, i64(vs[0]), i64(vs[1]), k_cache, v_cache,
-                        i64(problem.cache.block_stride), cupy.ascontiguousarray(problem.slot_mapping),
+                        ptr(k), i64(ks[0]), i64(ks[1]), ptr(v), i64(vs[0]), i64(vs[1]), ptr(k_cache), ptr(v_cache),
+                        i64(problem.cache.block_stride), ptr(slots),
                         i32(problem.cache.num_kv_heads), i32(problem.cache.head_size),
                         i32(problem.cache.block_size), i32(problem.cache.num_blocks),
                     ),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,8 @@ __all__ = ["paged_attention"]
 
 _THREADS = 256  # kDecodeThreads in paged_decode.cu
 _REDUCE_THREADS = 128  # kReduceThreads
-_TILE_MULTIPLE = 64  # every specialisation's TILE divides this
+_STAGE_BYTES = 3 * 2 * 2 * _THREADS * 16  # DecodeLayout::kStageBytes: kStages x (K, V) x kVecsPerThread x 16 B
+_TILE_MULTIPLE = 128  # every specialisation's TILE divides this
 _MIN_PART_TOKENS = 256  # a split-K partition is never shorter
 _SPLIT_BELOW_CTAS_PER_SM = 2  # fewer CTAs than this per SM cannot hide memory latency: split the keys
 _CTAS_PER_SM_TARGET = 4  # then split until the grid holds about this many CTAs per SM
@@ -59,50 +61,51 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int) -> DecodeLaunch:
     tokens_per_part = max(_TILE_MULTIPLE, -(-per_part // _TILE_MULTIPLE) * _TILE_MULTIPLE)
     parts = max(1, -(-p.max_len // tokens_per_part))
     bias = "none" if p.bias_dtype is None else f"dense-{p.bias_dtype}"
-    spec = _compile.DecodeSpec(p.dtype, p.head_size, p.cache.block_size, p.kv_layout, hg, bias)
+    spec = _compile.DecodeSpec(p.dtype, p.head_size, p.kv_layout, hg, bias)
     return DecodeLaunch(spec, (p.num_seqs, p.num_kv_heads * chunks, parts), tokens_per_part, parts)
 
 
 def _unit_last_stride(arr: Any) -> Any:
     """``arr`` itself if its last dimension is contiguous, else a contiguous copy (inputs only)."""
-    import cupy
-
-    return arr if arr.strides[-1] == arr.dtype.itemsize else cupy.ascontiguousarray(arr)
+    return arr if arr.strides[-1] == arr.dtype.itemsize else _interop.contiguous(arr)
 
 
 def _launch(problem: _checks.DecodeProblem, launch: DecodeLaunch, out: Any, workspace: tuple[Any, Any] | None,
             stream: Any, device: int) -> None:
     p = problem
-    kernel, reduce_kernel = _compile.get_decode_kernels(launch.spec, device)
+    kernel, reduce_kernel = _compile.get_decode_kernels(launch.spec, device, _STAGE_BYTES)
+    ptr = _interop.kernel_arg
     null = np.uint64(0)
     q = _unit_last_stride(p.query)
     tables = _unit_last_stride(p.block_tables)
-    seq_lens = _unit_last_stride(p.seq_lens)
-    alibi = null if p.alibi_slopes is None else _unit_last_stride(p.alibi_slopes)
+    seq_lens = ptr(_unit_last_stride(p.seq_lens))
+    alibi = null if p.alibi_slopes is None else ptr(_unit_last_stride(p.alibi_slopes))
     bias, bias_strides = null, (0, 0, 0)
     if p.attn_bias is not None:
-        bias, bias_strides = p.attn_bias, _checks.element_strides(p.attn_bias)
+        bias, bias_strides = ptr(p.attn_bias), _checks.element_strides(p.attn_bias)
     q_strides = _checks.element_strides(q)
     out_strides = _checks.element_strides(out)
-    part_acc, part_ml = workspace if workspace is not None else (null, null)
+    part_acc, part_ml = (ptr(workspace[0]), ptr(workspace[1])) if workspace is not None else (null, null)
     i64, i32 = np.int64, np.int32
     kernel(
         launch.grid, (_THREADS,),
         (
-            out, i64(out_strides[0]), i64(out_strides[1]), part_acc, part_ml,
-            q, i64(q_strides[0]), i64(q_strides[1]),
-            p.key_cache, p.value_cache, i64(p.cache.block_stride), i32(p.cache.num_blocks), i32(p.num_kv_heads),
-            tables, i64(_checks.element_strides(tables)[0]), seq_lens, i32(p.max_len),
+            ptr(out), i64(out_strides[0]), i64(out_strides[1]), part_acc, part_ml,
+            ptr(q), i64(q_strides[0]), i64(q_strides[1]),
+            ptr(p.key_cache), ptr(p.value_cache), i64(p.cache.block_stride), i32(p.cache.num_blocks),
+            i32(p.cache.block_size.bit_length() - 1), i32(p.num_kv_heads),
+            ptr(tables), i64(_checks.element_strides(tables)[0]), seq_lens, i32(p.max_len),
             bias, i64(bias_strides[0]), i64(bias_strides[1]), i64(bias_strides[2]), alibi,
             np.float32(p.scale), i32(p.group_size), i32(launch.tokens_per_part), i32(launch.num_parts),
         ),
         stream=stream,
+        shared_mem=_STAGE_BYTES,
     )
     if launch.num_parts > 1:
         reduce_kernel(
             (p.num_seqs, p.num_heads), (_REDUCE_THREADS,),
             (
-                out, i64(out_strides[0]), i64(out_strides[1]), part_acc, part_ml, seq_lens, i32(p.max_len),
+                ptr(out), i64(out_strides[0]), i64(out_strides[1]), part_acc, part_ml, seq_lens, i32(p.max_len),
                 i32(p.num_heads), i32(launch.tokens_per_part), i32(launch.num_parts),
             ),
             stream=stream,
@@ -144,7 +147,8 @@ def paged_attention(
         ``kv_layout="nhd"``: both ``[num_blocks, block_size, num_kv_heads, head_size]``.
         ``kv_layout="vllm"``: key ``[num_blocks, num_kv_heads, head_size // x, block_size, x]`` with
         ``x = 16 // itemsize``, value ``[num_blocks, num_kv_heads, head_size, block_size]`` (vLLM's caches as they
-        are). block_size is 8, 16 or 32. Each page must be contiguous; the page stride may be larger than a page.
+        are). block_size is a power of two up to 256. Each page must be contiguous; the page stride may be larger
+        than a page.
     block_tables : array ``[num_seqs, max_blocks_per_seq]``, int32
         Page ids of each sequence. Entries past a sequence's length are never read.
     seq_lens : array ``[num_seqs]``, int32
@@ -217,8 +221,9 @@ def paged_attention(
 
     device = _interop.device_of("query", query, framework)
     with cupy.cuda.Device(device):
-        launch_stream = _interop.resolve_stream(stream, framework, device, query)
-        with launch_stream:  # DLPack imports below are ordered on the launch stream
+        launch_stream = _interop.resolve_stream(stream, framework, device)
+        # DLPack imports (JAX, CuPy's own producers) are ordered on the launch stream; torch needs no import.
+        with launch_stream if isinstance(launch_stream, cupy.cuda.Stream) else contextlib.nullcontext():
             ops = {name: _interop.wrap(name, x, framework) for name, x in named.items() if x is not None}
             _interop.same_device(list(ops.values()))
             arr = {name: op.array for name, op in ops.items()}
@@ -230,7 +235,9 @@ def paged_attention(
             if out is not None:
                 result, out_arr = out, arr["out"]
             else:
-                result, out_arr = _interop.empty(framework, tuple(query.shape), problem.query.dtype, query)
+                result, out_arr = _interop.empty(
+                    framework, tuple(problem.query.shape), problem.query.dtype, query, launch_stream
+                )
             if problem.num_seqs == 0:
                 return _interop.finish(framework, result)
             launch = plan_decode(problem, _num_sms(device))
@@ -238,8 +245,8 @@ def paged_attention(
             if launch.num_parts > 1:
                 rows = problem.num_seqs * problem.num_heads * launch.num_parts
                 workspace = (
-                    _interop.empty(framework, (rows, problem.head_size), np.float32, query)[1],
-                    _interop.empty(framework, (rows, 2), np.float32, query)[1],
+                    _interop.empty(framework, (rows, problem.head_size), np.float32, query, launch_stream)[1],
+                    _interop.empty(framework, (rows, 2), np.float32, query, launch_stream)[1],
                 )
             _launch(problem, launch, out_arr, workspace, launch_stream, device)
     return _interop.finish(framework, result)

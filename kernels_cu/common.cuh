@@ -95,6 +95,23 @@ __device__ __forceinline__ void load_vec(const T* p, float* f) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Asynchronous copies global -> shared (sm_80+), 16 bytes each, cached in L2 only. A copy with src_bytes = 0 reads
+// nothing and writes zeros. Copies are grouped by commit(); wait<N>() returns once at most N of this thread's
+// groups are still in flight. Only the issuing thread may rely on its copies without a barrier.
+// ---------------------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // Warp reductions over aligned groups of LANES consecutive lanes (LANES a power of two <= 32).
 // Every lane of the warp must call them (they shuffle with a full mask).
 // ---------------------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ def _compile_all(filename: str, specs: list, arch: str) -> None:
                                                                             ARCHS)))
 def test_every_decode_specialisation_compiles(dtype, layout, arch):
     specs = [s for s in _compile.all_decode_specs() if s.dtype == dtype and s.layout == layout]
-    assert len(specs) == len(_compile.HEAD_SIZES) * len(_compile.BLOCK_SIZES) * 4 * len(_compile.BIAS_MODES)
+    assert len(specs) == len(_compile.HEAD_SIZES) * len(_compile.HEADS_PER_CTA) * len(_compile.BIAS_MODES)
     _compile_all("paged_decode.cu", specs, arch)
 
 
@@ -42,8 +42,8 @@ def test_sources_inline_their_headers():
 
 
 def test_keys_are_readable():
-    spec = _compile.DecodeSpec("bf16", 128, 16, "nhd", 4, "dense-f32")
-    assert spec.key == "paged_decode_bf16_d128_b16_nhd_g4_bias-dense-f32"
+    spec = _compile.DecodeSpec("bf16", 128, "nhd", 4, "dense-f32")
+    assert spec.key == "paged_decode_bf16_d128_nhd_g4_bias-dense-f32"
     assert _compile.CacheWriteSpec("f16", "vllm", "i64").key == "reshape_and_cache_f16_vllm_slot-i64"
 
 
@@ -64,7 +64,7 @@ def test_split_planning(rng, seq_lens, heads, expect_split):
                                    out=None)
     plan = decode.plan_decode(problem, num_sms=132)
     assert (plan.num_parts > 1) == expect_split
-    assert plan.tokens_per_part % 64 == 0 and plan.num_parts * plan.tokens_per_part >= problem.max_len
+    assert plan.tokens_per_part % 128 == 0 and plan.num_parts * plan.tokens_per_part >= problem.max_len
     assert (plan.num_parts - 1) * plan.tokens_per_part < max(problem.max_len, 1), "no partition is empty"
     assert plan.grid == (len(seq_lens), heads[1] * -(-(heads[0] // heads[1]) // plan.spec.heads_per_cta),
                          plan.num_parts)

@@ -41,7 +41,7 @@ CAPACITY = NUM_BLOCKS * BLOCK_SIZE
 LAYOUTS = ("nhd", "vllm")
 DTYPES = (np.float32, np.float16, ml_dtypes.bfloat16)
 UNSUPPORTED_HEAD_SIZES = (16, 48, 72, 512)  # multiples of 8, so a kv_layout="vllm" cache can hold them
-UNSUPPORTED_BLOCK_SIZES = (4, 12, 64)
+UNSUPPORTED_BLOCK_SIZES = (3, 12, 48, 512)
 BAD_LAYOUTS = ("NHD", "hnd", "vllm ", "", None, 0, ("nhd",))
 BAD_SCALE_VALUES = (math.nan, -math.inf, math.inf, np.float32("nan"), 10**400)
 BAD_SCALE_KINDS = ("0.125", True, False, 1j, np.array(0.125))
@@ -394,7 +394,7 @@ DECODE_UNSUPPORTED = [
                   r"supported: 32, 64, 80, 96, 112, 120, 128, 192, 256", {"layout": layout, "head_size": d})
       for d in UNSUPPORTED_HEAD_SIZES for layout in LAYOUTS),
     *(decode_case(f"block_size-{b}-{layout}", NotImplementedError, rf"key_cache: block_size {b} is not supported; "
-                  r"supported: 8, 16, 32", {"layout": layout, "block_size": b})
+                  r"supported: powers of two up to 256", {"layout": layout, "block_size": b})
       for b in UNSUPPORTED_BLOCK_SIZES for layout in LAYOUTS),
 ]
 
