@@ -146,8 +146,9 @@ __device__ __forceinline__ int clamped_len(const int* seq_lens, int s, int max_l
 //   make(ptr, stride_s, stride_h, stride_j) builds the source from the kernel's generic bias arguments.
 struct NoBias {
   static constexpr bool enabled = false;
+  using Raw = float;
   static __device__ __forceinline__ NoBias make(const void*, long long, long long, long long) { return {}; }
-  __device__ __forceinline__ float value(int, int, int) const { return 0.0f; }
+  __device__ __forceinline__ Raw load(int, int, int) const { return 0.0f; }
 };
 
 // A dense [num_seqs, num_heads, L] array with arbitrary strides in elements (0 broadcasts).
@@ -159,9 +160,8 @@ struct DenseBias {
   static __device__ __forceinline__ DenseBias make(const void* p, long long ss, long long sh, long long sj) {
     return {static_cast<const B*>(p), ss, sh, sj};
   }
-  __device__ __forceinline__ float value(int s, int h, int j) const {
-    return to_float(ptr[s * stride_s + h * stride_h + j * stride_j]);
-  }
+  using Raw = B;
+  __device__ __forceinline__ Raw load(int s, int h, int j) const { return ptr[s * stride_s + h * stride_h + j * stride_j]; }
 };
 
 }  // namespace cpa

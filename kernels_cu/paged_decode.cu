@@ -154,10 +154,20 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) paged_decode(
     q_s[g][d] = g < nh ? scale * to_float(query[s * q_stride_s + (head0 + g) * q_stride_h + d]) : 0.0f;
   }
 
-  // ---- Prefetch rings, one slot per stage.
-  int blk_r[kStages][UNROLL];           // block id of each of the thread's tokens (−1: no key)
-  float extra_r[kStages][UNROLL][HPL];  // alibi + bias for heads lg, lg + LANES, ... (−inf: no key)
-  uint4 v_r[kStages][UNROLL][VPL];      // vLLM layout only: values gathered into registers
+  // ---- Prefetch rings, one slot per stage; a tile's slot is its index mod kStages. Loads land in registers that
+  // nothing reads until the tile is computed, so no thread waits on them early: block ids are fetched 2·kAhead
+  // tiles ahead (their copies are issued kAhead tiles ahead), bias values with the copies, in storage form.
+  constexpr int kAhead = kStages - 1;
+  int blk_r[kStages][UNROLL];                          // block id of each of the thread's tokens
+  bool ok_r[kStages][UNROLL];                          // the token is a key (inside the sequence and the cache)
+  typename Bias::Raw bias_r[kStages][UNROLL][HPL];     // bias of heads lg, lg + LANES, ...
+  uint4 v_r[kStages][UNROLL][VPL];                     // vLLM layout only: values gathered into registers
+  float alibi_r[HPL];                                  // alibi slopes of heads lg, lg + LANES, ...
+#pragma unroll
+  for (int i = 0; i < HPL; ++i) {
+    const int g = lg + i * LANES;
+    alibi_r[i] = alibi_slopes != nullptr && g < nh ? alibi_slopes[head0 + g] : 0.0f;
+  }
 
   auto slot = [&](int st, int kv, int u, int v) -> uint4* {
     return &stage_s[((st * 2 + kv) * kVecsPerThread + u * VPL + v) * kDecodeThreads + tid];
@@ -167,10 +177,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) paged_decode(
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int j = t0 + u * GROUPS + grp;
-      blk_r[st][u] = j < end ? table[j >> block_shift] : -1;
+      blk_r[st][u] = -1;
+      if (j < end) blk_r[st][u] = table[j >> block_shift];
     }
   };
-  // Copies of tile t0's keys and values into stage st, its alibi + bias into extra_r[st]; one cp.async group.
+  // Copies of tile t0's keys and values into stage st (one cp.async group), its bias into bias_r[st].
   auto issue = [&](int st, int t0) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
@@ -178,27 +189,27 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) paged_decode(
       const long long blk = blk_r[st][u];
       // A block id outside the cache is never dereferenced: the key is skipped (validate=True reports it).
       const bool ok = j < end && blk >= 0 && blk < num_blocks;
+      ok_r[st][u] = ok;
 #pragma unroll
       for (int v = 0; v < VPL; ++v) {
         const int c = lg + v * LANES;
         const bool copy = ok && c < NVEC;
-        cp_async16(slot(st, 0, u, v), copy ? cache.key_vec(blk, j & block_mask, kvh, c) : key_cache, copy ? kVecBytes : 0);
+        const int off = j & block_mask;
+        cp_async16(slot(st, 0, u, v), copy ? cache.key_vec(blk, off, kvh, c) : key_cache, copy ? kVecBytes : 0);
         if constexpr (Cache::kValueIsVector) {
-          cp_async16(slot(st, 1, u, v), copy ? cache.value_vec(blk, j & block_mask, kvh, c) : value_cache,
-                     copy ? kVecBytes : 0);
+          cp_async16(slot(st, 1, u, v), copy ? cache.value_vec(blk, off, kvh, c) : value_cache, copy ? kVecBytes : 0);
         } else {
-          v_r[st][u][v] = copy ? cache.gather_value(blk, j & block_mask, kvh, c) : make_uint4(0u, 0u, 0u, 0u);
+          v_r[st][u][v] = make_uint4(0u, 0u, 0u, 0u);
+          if (copy) v_r[st][u][v] = cache.gather_value(blk, off, kvh, c);
         }
       }
+      if constexpr (Bias::enabled) {
 #pragma unroll
-      for (int i = 0; i < HPL; ++i) {
-        const int g = lg + i * LANES;
-        float e = ok ? 0.0f : -inf();
-        if (ok && g < nh) {
-          if (alibi_slopes != nullptr) e += alibi_slopes[head0 + g] * static_cast<float>(j - len + 1);
-          if constexpr (Bias::enabled) e += bias.value(s, head0 + g, j);
+        for (int i = 0; i < HPL; ++i) {
+          const int g = lg + i * LANES;
+          bias_r[st][u][i] = typename Bias::Raw{};
+          if (ok && g < nh) bias_r[st][u][i] = bias.load(s, head0 + g, j);
         }
-        extra_r[st][u][i] = e;
       }
     }
     cp_async_commit();
@@ -216,9 +227,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) paged_decode(
       for (int e = 0; e < VEC; ++e) acc[g][v][e] = 0.0f;
 
 #pragma unroll
-  for (int st = 0; st < kStages; ++st) fetch_ids(st, start + st * TILE);
+  for (int t = 0; t < kAhead; ++t) fetch_ids(t, start + t * TILE);
 #pragma unroll
-  for (int st = 0; st < kStages - 1; ++st) issue(st, start + st * TILE);
+  for (int t = 0; t < kAhead; ++t) issue(t, start + t * TILE);
+#pragma unroll
+  for (int t = kAhead; t < 2 * kAhead; ++t) fetch_ids(t % kStages, start + t * TILE);
   __syncthreads();  // q_s is read by every thread below
 
   for (int t_base = start; t_base < end; t_base += kStages * TILE) {
@@ -226,12 +239,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) paged_decode(
     for (int st = 0; st < kStages; ++st) {
       const int t0 = t_base + st * TILE;
       if (t0 >= end) break;  // the same for every thread of the CTA
-      constexpr int kAhead = kStages - 1;
-      issue((st + kAhead) % kStages, t0 + kAhead * TILE);  // keep kStages − 1 tiles in flight
-      fetch_ids(st, t0 + kStages * TILE);                  // slot st's ids were used by tile t0's copies
-      cp_async_wait<kAhead>();                             // this thread's copies of tile t0 have landed
+      issue((st + kAhead) % kStages, t0 + kAhead * TILE);             // kAhead tiles in flight
+      fetch_ids((st + 2 * kAhead) % kStages, t0 + 2 * kAhead * TILE);  // that slot's tile was issued last time
+      cp_async_wait<kAhead>();                                        // this thread's copies of tile t0 landed
 
-      // ---- Logits: x_g(j) = <scale·q_g, k_j> + extra; each lane group reduces its partial dot products.
+      // ---- Logits: x_g(j) = <scale·q_g, k_j> + alibi + bias; each lane group reduces its partial dot products.
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         float kf[VPL][VEC];
@@ -254,7 +266,13 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) paged_decode(
             }
           }
           dot = group_sum<LANES>(dot);
-          if (lg == g % LANES) x_s[st][g][u * GROUPS + grp] = dot + extra_r[st][u][g / LANES];
+          if (lg == g % LANES) {
+            // x = <scale·q, k> + alibi·(j − len + 1) + bias; −inf for a token that is no key.
+            const int j = t0 + u * GROUPS + grp;
+            float x = dot + alibi_r[g / LANES] * static_cast<float>(j - len + 1);
+            if constexpr (Bias::enabled) x += to_float(bias_r[st][u][g / LANES]);
+            x_s[st][g][u * GROUPS + grp] = ok_r[st][u] ? x : -inf();
+          }
         }
       }
       __syncthreads();  // x_s[st] holds the whole tile's logits before the softmax reads them

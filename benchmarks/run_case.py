@@ -1,0 +1,63 @@
+"""Run one decode case a few times (for ``ncu`` / ``compute-sanitizer`` runs, and quick timing by CUDA events).
+
+Run on a GPU machine, e.g.::
+
+    PYTHONPATH=. python3 benchmarks/run_case.py --batch 32 --heads 32/8 --head-size 128 --length 8192 --bias
+    ncu --clock-control none -k regex:paged_decode -c 1 --section SpeedOfLight --section WarpStateStats \\
+        python3 benchmarks/run_case.py ...
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--heads", default="32/8", help="query/KV heads")
+    parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument("--length", type=int, default=8192)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--bias", action="store_true")
+    parser.add_argument("--layout", default="nhd")
+    parser.add_argument("--calls", type=int, default=20)
+    args = parser.parse_args()
+
+    import torch
+
+    import cupy_paged_attn as cpa
+
+    hq, hkv = map(int, args.heads.split("/"))
+    dtype = getattr(torch, args.dtype)
+    b, d, n, bs = args.batch, args.head_size, args.length, args.block_size
+    pages = b * (n // bs)
+    q = torch.randn(b, hq, d, device="cuda", dtype=dtype)
+    if args.layout == "nhd":
+        k = torch.randn(pages, bs, hkv, d, device="cuda", dtype=dtype)
+        v = torch.randn_like(k)
+    else:
+        x = 16 // q.element_size()
+        k = torch.randn(pages, hkv, d // x, bs, x, device="cuda", dtype=dtype)
+        v = torch.randn(pages, hkv, d, bs, device="cuda", dtype=dtype)
+    tables = torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, -1)
+    lens = torch.full((b,), n, device="cuda", dtype=torch.int32)
+    bias = torch.randn(b, hq, n, device="cuda", dtype=dtype) if args.bias else None
+    out = torch.empty_like(q)
+    for _ in range(3):
+        cpa.paged_attention(q, k, v, tables, lens, attn_bias=bias, kv_layout=args.layout, out=out)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(args.calls):
+        cpa.paged_attention(q, k, v, tables, lens, attn_bias=bias, kv_layout=args.layout, out=out)
+    stop.record()
+    torch.cuda.synchronize()
+    us = start.elapsed_time(stop) * 1e3 / args.calls
+    nbytes = 2 * b * n * hkv * d * q.element_size() + (b * hq * n * q.element_size() if args.bias else 0)
+    print(f"B{b} H{hq}/{hkv} d{d} L{n} bias={args.bias} {args.layout}: {us:.1f} us/call, "
+          f"{nbytes / us / 1e3:.0f} GB/s (K+V+bias bytes)")
+
+
+if __name__ == "__main__":
+    main()
