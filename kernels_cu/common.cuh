@@ -28,6 +28,12 @@ __host__ __device__ constexpr int pow2_ceil(int n) {
   return p;
 }
 
+__host__ __device__ constexpr int pow2_floor(int n) {
+  int p = 1;
+  while (2 * p <= n) p *= 2;
+  return p;
+}
+
 // +infinity (NVRTC has no <cmath> INFINITY).
 __device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
 

@@ -69,27 +69,32 @@ struct PagedCache {
 };
 
 // ---------------------------------------------------------------------------------------------------------------
-// Thread layout of one specialisation: LANES consecutive lanes share one token row (VPL vectors each); GROUPS such
-// lane groups per CTA take consecutive tokens; each thread holds UNROLL tokens of a tile, TILE = GROUPS·UNROLL.
-// Every tile is kVecsPerThread 16-byte vectors of K and as many of V per thread: 16 KB per CTA, whatever the shape.
+// Layout of one specialisation.
+// Compute: thread (tx, ty, tz), tid = (tz·HG + ty)·TX + tx. TX lanes span head_size (VPL vectors each), ty is the
+// query head, tz a token slot: the thread scores and accumulates head ty over tokens tz, tz + TZ, ... of a tile,
+// with its query and accumulator in registers. The lanes of a warp that differ only in ty read the same key and
+// value vectors from shared memory: one broadcast serves all the heads of a group.
+// Copies: a tile is TILE tokens, at most kVecsPerThread·kDecodeThreads 16-byte vectors of K and as many of V
+// (16 KB per tile, whatever the shape); vector idx = tid + k·kDecodeThreads is token idx / NVEC, vector idx % NVEC.
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T, int HEAD, int HG>
 struct DecodeLayout {
   static constexpr int VEC = vec_elems<T>();
   static constexpr int NVEC = HEAD / VEC;
-  static constexpr int LANES = pow2_ceil(NVEC) < kWarpSize ? pow2_ceil(NVEC) : kWarpSize;
-  static constexpr int VPL = (NVEC + LANES - 1) / LANES;
-  static constexpr int GROUPS = kDecodeThreads / LANES;
-  static constexpr int UNROLL = kVecsPerThread / VPL;
-  static constexpr int TILE = GROUPS * UNROLL;
-  static constexpr int HPL = (HG + LANES - 1) / LANES;  // query heads whose bias one lane fetches
-  // Dynamic shared memory: the K and V stages of the pipeline, reused by the epilogue.
-  static constexpr int kStageBytes = kStages * 2 * kVecsPerThread * kDecodeThreads * kVecBytes;
+  static constexpr int TX = pow2_ceil(NVEC) < kWarpSize ? pow2_ceil(NVEC) : kWarpSize;
+  static constexpr int VPL = (NVEC + TX - 1) / TX;
+  static constexpr int TZ = kDecodeThreads / (TX * HG);
+  static constexpr int TILE = pow2_floor(kVecsPerThread * kDecodeThreads / NVEC);
+  static constexpr int TPT = TILE / TZ;            // tokens per thread per tile
+  static constexpr int KPL = (TPT + TX - 1) / TX;  // of those, tokens whose logit this lane finishes
+  static constexpr int kStageVecs = kVecsPerThread * kDecodeThreads;  // per tensor: K_s and V_s are [TILE][NVEC]
+  static constexpr int kStageBytes = kStages * 2 * kStageVecs * kVecBytes;
   static_assert(HEAD % VEC == 0, "head size must be a whole number of 16-byte vectors");
-  static_assert(VPL <= kVecsPerThread, "a token row must fit one thread's vectors");
-  static_assert(HEAD <= kDecodeThreads, "the epilogue gives each output element one thread");
+  static_assert(TX * HG <= kDecodeThreads && TILE % TZ == 0, "every thread owns whole tokens of a tile");
+  static_assert(TILE * NVEC <= kStageVecs, "a tile fits its stage");
   static_assert(HG <= kDecodeWarps, "the softmax gives each query head one warp");
-  static_assert(kDecodeWarps * HEAD * sizeof(float) <= kStageBytes, "the epilogue reuses the stage buffers");
+  static_assert(kDecodeThreads * (HEAD / TX > VEC ? HEAD / TX : VEC) * 4 <= kStageBytes,
+                "the epilogue reuses the stage buffers");
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -97,10 +102,9 @@ struct DecodeLayout {
 // CTA (1, 2, 4 or 8), Bias = NoBias or DenseBias<B>. The page size is a run-time power of two (block_shift).
 //
 // Pipeline: tile i's K and V travel by cp.async into stage i % kStages of shared memory while the CTA computes
-// tile i − kStages + 1, so kStages − 1 tiles (16 KB each) are always in flight. Each thread reads back only the
-// vectors it copied itself, so the copies need no barrier. Block ids are fetched one tile before their copies are
-// issued, bias values kStages − 1 tiles before they are used; both wait in small register rings indexed by the
-// stage, which the unrolled stage loop makes a compile-time constant.
+// tile i − kAhead (kAhead = kStages − 1 tiles, 16 KB each, always in flight). Block ids are fetched 2·kAhead tiles
+// ahead and bias values kAhead tiles ahead into small register rings indexed by the stage (a compile-time
+// constant in the unrolled stage loop), so no thread waits on a load before it needs the value.
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T, int HEAD, KvLayout LAYOUT, int HG, typename Bias>
 __global__ void __launch_bounds__(kDecodeThreads, 2) paged_decode(
@@ -117,13 +121,12 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) paged_decode(
     float scale, int group_size, int tokens_per_part, int num_parts) {
   using L = DecodeLayout<T, HEAD, HG>;
   using Cache = PagedCache<T, HEAD, LAYOUT>;
-  constexpr int VEC = L::VEC, NVEC = L::NVEC, LANES = L::LANES, VPL = L::VPL, GROUPS = L::GROUPS;
-  constexpr int UNROLL = L::UNROLL, TILE = L::TILE, HPL = L::HPL;
+  constexpr int VEC = L::VEC, NVEC = L::NVEC, TX = L::TX, VPL = L::VPL, TZ = L::TZ, TILE = L::TILE;
+  constexpr int TPT = L::TPT, KPL = L::KPL, kAhead = kStages - 1;
 
-  extern __shared__ uint4 stage_s[];              // [kStages][K, V][kVecsPerThread][kDecodeThreads]
-  __shared__ __align__(16) float q_s[HG][HEAD];  // scale·q for the CTA's query heads (zero for unused heads)
-  __shared__ float x_s[kStages][HG][TILE];       // a tile's logits, then its probabilities
-  __shared__ float alpha_s[kStages][HG];         // exp(m_old − m_new) of a tile
+  extern __shared__ uint4 stage_s[];   // [kStages][K, V][TILE][NVEC]
+  __shared__ float x_s[kStages][HG][TILE];  // a tile's logits, then its probabilities
+  __shared__ float alpha_s[kStages][HG];    // exp(m_old − m_new) of a tile
   __shared__ float m_s[HG], l_s[HG];
 
   const int s = blockIdx.x;
@@ -136,95 +139,100 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) paged_decode(
   const int tid = threadIdx.x;
   const int warp = tid / kWarpSize;
   const int lane = tid % kWarpSize;
-  const int grp = tid / LANES;  // token slot within a tile
-  const int lg = tid % LANES;   // lane within the token's group
+  const int tx = tid % TX;
+  const int ty = (tid / TX) % HG;
+  const int tz = tid / (TX * HG);
 
   const int len = clamped_len(seq_lens, s, max_len);
   const int start = part * tokens_per_part;
   const int end = min(start + tokens_per_part, len);
+  const int block_mask = (1 << block_shift) - 1;
 
   const Cache cache{key_cache, value_cache, cache_block_stride, num_kv_heads, block_shift};
-  const int block_mask = (1 << block_shift) - 1;
   const Bias bias = Bias::make(bias_ptr, bias_stride_s, bias_stride_h, bias_stride_j);
   const int* table = block_tables + s * block_table_stride;
+  const bool head_used = ty < nh;
+  const int h = head0 + ty;
 
-  for (int i = tid; i < HG * HEAD; i += kDecodeThreads) {
-    const int g = i / HEAD;
-    const int d = i % HEAD;
-    q_s[g][d] = g < nh ? scale * to_float(query[s * q_stride_s + (head0 + g) * q_stride_h + d]) : 0.0f;
-  }
-
-  // ---- Prefetch rings, one slot per stage; a tile's slot is its index mod kStages. Loads land in registers that
-  // nothing reads until the tile is computed, so no thread waits on them early: block ids are fetched 2·kAhead
-  // tiles ahead (their copies are issued kAhead tiles ahead), bias values with the copies, in storage form.
-  constexpr int kAhead = kStages - 1;
-  int blk_r[kStages][UNROLL];                          // block id of each of the thread's tokens
-  bool ok_r[kStages][UNROLL];                          // the token is a key (inside the sequence and the cache)
-  typename Bias::Raw bias_r[kStages][UNROLL][HPL];     // bias of heads lg, lg + LANES, ...
-  uint4 v_r[kStages][UNROLL][VPL];                     // vLLM layout only: values gathered into registers
-  float alibi_r[HPL];                                  // alibi slopes of heads lg, lg + LANES, ...
+  // This thread's head: scale·q and the alibi slope, in registers for the whole CTA.
+  float q[VPL][VEC];
 #pragma unroll
-  for (int i = 0; i < HPL; ++i) {
-    const int g = lg + i * LANES;
-    alibi_r[i] = alibi_slopes != nullptr && g < nh ? alibi_slopes[head0 + g] : 0.0f;
-  }
+  for (int v = 0; v < VPL; ++v)
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const int c = tx + v * TX;
+      q[v][e] = head_used && c < NVEC ? scale * to_float(query[s * q_stride_s + h * q_stride_h + c * VEC + e]) : 0.0f;
+    }
+  const float slope = alibi_slopes != nullptr && head_used ? alibi_slopes[h] : 0.0f;
 
-  auto slot = [&](int st, int kv, int u, int v) -> uint4* {
-    return &stage_s[((st * 2 + kv) * kVecsPerThread + u * VPL + v) * kDecodeThreads + tid];
-  };
-  // Block ids of tile t0 into ring slot st.
+  // ---- Prefetch rings, one slot per stage (a tile's slot is its index mod kStages).
+  int cblk_r[kStages][kVecsPerThread];           // copy side: block id of each vector this thread copies
+  int xblk_r[kStages][KPL];                      // score side: block id of each token whose logit it finishes
+  bool ok_r[kStages][KPL];                       // ... that token is a key (in the sequence and the cache)
+  typename Bias::Raw bias_r[kStages][KPL];       // ... and its bias for head ty, in storage form
+
+  auto k_s = [&](int st, int t, int c) -> uint4* { return &stage_s[(st * 2 * TILE + t) * NVEC + c]; };
+  auto v_s = [&](int st, int t, int c) -> uint4* { return &stage_s[((st * 2 + 1) * TILE + t) * NVEC + c]; };
+  auto is_key = [&](int j, int blk) -> bool { return j < end && blk >= 0 && blk < num_blocks; };
+
+  // Block ids of tile t0, for its copies and its logits, into ring slot st.
   auto fetch_ids = [&](int st, int t0) {
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int j = t0 + u * GROUPS + grp;
-      blk_r[st][u] = -1;
-      if (j < end) blk_r[st][u] = table[j >> block_shift];
+    for (int k = 0; k < kVecsPerThread; ++k) {
+      const int idx = tid + k * kDecodeThreads;
+      cblk_r[st][k] = -1;
+      if (idx < TILE * NVEC && t0 + idx / NVEC < end) cblk_r[st][k] = table[(t0 + idx / NVEC) >> block_shift];
+    }
+#pragma unroll
+    for (int i = 0; i < KPL; ++i) {
+      const int k = tx + i * TX;
+      const int j = t0 + tz + k * TZ;
+      xblk_r[st][i] = -1;
+      if (k < TPT && j < end) xblk_r[st][i] = table[j >> block_shift];
     }
   };
-  // Copies of tile t0's keys and values into stage st (one cp.async group), its bias into bias_r[st].
+  // Tile t0 into slot st: its keys and values into shared memory (one cp.async group), its bias into bias_r.
   auto issue = [&](int st, int t0) {
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int j = t0 + u * GROUPS + grp;
-      const long long blk = blk_r[st][u];
-      // A block id outside the cache is never dereferenced: the key is skipped (validate=True reports it).
-      const bool ok = j < end && blk >= 0 && blk < num_blocks;
-      ok_r[st][u] = ok;
-#pragma unroll
-      for (int v = 0; v < VPL; ++v) {
-        const int c = lg + v * LANES;
-        const bool copy = ok && c < NVEC;
+    for (int k = 0; k < kVecsPerThread; ++k) {
+      const int idx = tid + k * kDecodeThreads;
+      if (idx < TILE * NVEC) {
+        const int t = idx / NVEC;
+        const int c = idx % NVEC;
+        const int j = t0 + t;
+        const long long blk = cblk_r[st][k];
+        // A block id outside the cache is never dereferenced: the key is skipped (validate=True reports it).
+        const bool copy = is_key(j, static_cast<int>(blk));
         const int off = j & block_mask;
-        cp_async16(slot(st, 0, u, v), copy ? cache.key_vec(blk, off, kvh, c) : key_cache, copy ? kVecBytes : 0);
+        cp_async16(k_s(st, t, c), copy ? cache.key_vec(blk, off, kvh, c) : key_cache, copy ? kVecBytes : 0);
         if constexpr (Cache::kValueIsVector) {
-          cp_async16(slot(st, 1, u, v), copy ? cache.value_vec(blk, off, kvh, c) : value_cache, copy ? kVecBytes : 0);
+          cp_async16(v_s(st, t, c), copy ? cache.value_vec(blk, off, kvh, c) : value_cache, copy ? kVecBytes : 0);
         } else {
-          v_r[st][u][v] = make_uint4(0u, 0u, 0u, 0u);
-          if (copy) v_r[st][u][v] = cache.gather_value(blk, off, kvh, c);
-        }
-      }
-      if constexpr (Bias::enabled) {
-#pragma unroll
-        for (int i = 0; i < HPL; ++i) {
-          const int g = lg + i * LANES;
-          bias_r[st][u][i] = typename Bias::Raw{};
-          if (ok && g < nh) bias_r[st][u][i] = bias.load(s, head0 + g, j);
+          *v_s(st, t, c) = copy ? cache.gather_value(blk, off, kvh, c) : make_uint4(0u, 0u, 0u, 0u);
         }
       }
     }
     cp_async_commit();
+#pragma unroll
+    for (int i = 0; i < KPL; ++i) {
+      const int k = tx + i * TX;
+      const int j = t0 + tz + k * TZ;
+      ok_r[st][i] = k < TPT && is_key(j, xblk_r[st][i]) && head_used;
+      if constexpr (Bias::enabled) {
+        bias_r[st][i] = typename Bias::Raw{};
+        if (k < TPT && j < end && head_used) bias_r[st][i] = bias.load(s, h, j);
+      }
+    }
   };
 
-  // Warp g keeps head g's running max and sum; every thread keeps acc for its vectors of every head.
+  // Warp g keeps head g's running max m and sum l; every thread keeps acc for its vectors of head ty.
   float m = -inf();
   float l = 0.0f;
-  float acc[HG][VPL][VEC];
+  float acc[VPL][VEC];
 #pragma unroll
-  for (int g = 0; g < HG; ++g)
+  for (int v = 0; v < VPL; ++v)
 #pragma unroll
-    for (int v = 0; v < VPL; ++v)
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) acc[g][v][e] = 0.0f;
+    for (int e = 0; e < VEC; ++e) acc[v][e] = 0.0f;
 
 #pragma unroll
   for (int t = 0; t < kAhead; ++t) fetch_ids(t, start + t * TILE);
@@ -232,47 +240,48 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) paged_decode(
   for (int t = 0; t < kAhead; ++t) issue(t, start + t * TILE);
 #pragma unroll
   for (int t = kAhead; t < 2 * kAhead; ++t) fetch_ids(t % kStages, start + t * TILE);
-  __syncthreads();  // q_s is read by every thread below
 
   for (int t_base = start; t_base < end; t_base += kStages * TILE) {
 #pragma unroll
     for (int st = 0; st < kStages; ++st) {
       const int t0 = t_base + st * TILE;
       if (t0 >= end) break;  // the same for every thread of the CTA
-      issue((st + kAhead) % kStages, t0 + kAhead * TILE);             // kAhead tiles in flight
-      fetch_ids((st + 2 * kAhead) % kStages, t0 + 2 * kAhead * TILE);  // that slot's tile was issued last time
-      cp_async_wait<kAhead>();                                        // this thread's copies of tile t0 landed
+      cp_async_wait<kAhead - 1>();  // this thread's copies of tile t0 have landed (kAhead − 1 younger groups)
+      // Every thread's copies of tile t0 are visible, and every thread is done with tile t0 − 1, whose stage
+      // the copies issued next overwrite.
+      __syncthreads();
+      issue((st + kAhead) % kStages, t0 + kAhead * TILE);
+      fetch_ids((st + 2 * kAhead) % kStages, t0 + 2 * kAhead * TILE);
 
-      // ---- Logits: x_g(j) = <scale·q_g, k_j> + alibi + bias; each lane group reduces its partial dot products.
+      // ---- Logits: x(j) = <scale·q, k_j> + alibi·(j − len + 1) + bias(j), −inf for a token that is no key.
+      float x_r[KPL];
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        float kf[VPL][VEC];
+      for (int i = 0; i < KPL; ++i) x_r[i] = 0.0f;
 #pragma unroll
-        for (int v = 0; v < VPL; ++v) unpack<T>(*slot(st, 0, u, v), kf[v]);
+      for (int k = 0; k < TPT; ++k) {
+        const int t = tz + k * TZ;
+        float dot = 0.0f;
 #pragma unroll
-        for (int g = 0; g < HG; ++g) {
-          float dot = 0.0f;
+        for (int v = 0; v < VPL; ++v) {
+          const int c = tx + v * TX;
+          if (c < NVEC) {
+            float kf[VEC];
+            unpack<T>(*k_s(st, t, c), kf);
 #pragma unroll
-          for (int v = 0; v < VPL; ++v) {
-            const int c = lg + v * LANES;
-            if (c < NVEC) {
-              const float4* q4 = reinterpret_cast<const float4*>(&q_s[g][c * VEC]);
-#pragma unroll
-              for (int e4 = 0; e4 < VEC / 4; ++e4) {
-                const float4 q = q4[e4];
-                dot += q.x * kf[v][4 * e4] + q.y * kf[v][4 * e4 + 1] + q.z * kf[v][4 * e4 + 2] +
-                       q.w * kf[v][4 * e4 + 3];
-              }
-            }
+            for (int e = 0; e < VEC; ++e) dot += q[v][e] * kf[e];
           }
-          dot = group_sum<LANES>(dot);
-          if (lg == g % LANES) {
-            // x = <scale·q, k> + alibi·(j − len + 1) + bias; −inf for a token that is no key.
-            const int j = t0 + u * GROUPS + grp;
-            float x = dot + alibi_r[g / LANES] * static_cast<float>(j - len + 1);
-            if constexpr (Bias::enabled) x += to_float(bias_r[st][u][g / LANES]);
-            x_s[st][g][u * GROUPS + grp] = ok_r[st][u] ? x : -inf();
-          }
+        }
+        dot = group_sum<TX>(dot);
+        if (tx == k % TX) x_r[k / TX] = dot;
+      }
+#pragma unroll
+      for (int i = 0; i < KPL; ++i) {
+        const int k = tx + i * TX;
+        if (k < TPT) {
+          const int t = tz + k * TZ;
+          float x = x_r[i] + slope * static_cast<float>(t0 + t - len + 1);
+          if constexpr (Bias::enabled) x += to_float(bias_r[st][i]);
+          x_s[st][ty][t] = ok_r[st][i] ? x : -inf();
         }
       }
       __syncthreads();  // x_s[st] holds the whole tile's logits before the softmax reads them
@@ -295,82 +304,69 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) paged_decode(
         m = m_new;
         if (lane == 0) alpha_s[st][warp] = alpha;
       }
-      // x_s[st] now holds probabilities and alpha_s[st] the rescale factors. The next tile writes x_s and alpha_s
-      // of another stage, so this barrier is the last one this tile needs.
+      // x_s[st] now holds probabilities and alpha_s[st] the rescale factors. The next tile writes those of another
+      // stage, and the next barrier comes before any thread could reach this stage again.
       __syncthreads();
 
-      // ---- Accumulate: acc_g = α_g·acc_g + Σ_j p_g(j)·v_j over the thread's tokens.
+      // ---- Accumulate: acc = α·acc + Σ_j p(j)·v_j over the thread's tokens.
+      const float a = alpha_s[st][ty];
 #pragma unroll
-      for (int g = 0; g < HG; ++g) {
-        const float a = alpha_s[st][g];
+      for (int v = 0; v < VPL; ++v)
 #pragma unroll
-        for (int v = 0; v < VPL; ++v)
+        for (int e = 0; e < VEC; ++e) acc[v][e] *= a;
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) acc[g][v][e] *= a;
-      }
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        float vf[VPL][VEC];
+      for (int k = 0; k < TPT; ++k) {
+        const int t = tz + k * TZ;
+        const float p = x_s[st][ty][t];  // 0 for a token that is no key, whose values are zero-filled
 #pragma unroll
         for (int v = 0; v < VPL; ++v) {
-          if constexpr (Cache::kValueIsVector) {
-            unpack<T>(*slot(st, 1, u, v), vf[v]);
-          } else {
-            unpack<T>(v_r[st][u][v], vf[v]);
+          const int c = tx + v * TX;
+          if (c < NVEC) {
+            float vf[VEC];
+            unpack<T>(*v_s(st, t, c), vf);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[v][e] += p * vf[e];
           }
-        }
-#pragma unroll
-        for (int g = 0; g < HG; ++g) {
-          const float p = x_s[st][g][u * GROUPS + grp];  // 0 for a skipped token, whose values are zero-filled
-#pragma unroll
-          for (int v = 0; v < VPL; ++v)
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) acc[g][v][e] += p * vf[v][e];
         }
       }
     }
   }
 
-  // ---- Epilogue: sum acc over the lane groups (shuffles within a warp, then shared memory across warps).
-  cp_async_wait<0>();  // copies issued past the end still write zeros into the stages the epilogue reuses
+  // ---- Epilogue: sum acc over the token slots through shared memory (the stages, now idle).
+  cp_async_wait<0>();  // copies issued past the end still write zeros into the stages
   if (warp < HG && lane == 0) {
     m_s[warp] = m;
     l_s[warp] = l;
   }
-  float(*red_s)[HEAD] = reinterpret_cast<float(*)[HEAD]>(stage_s);  // [kDecodeWarps][HEAD]
   __syncthreads();  // every thread is done with the stages before red_s overwrites them
+  float* red_s = reinterpret_cast<float*>(stage_s);  // [TZ][HG][HEAD]
 #pragma unroll
-  for (int g = 0; g < HG; ++g) {
+  for (int v = 0; v < VPL; ++v) {
+    const int c = tx + v * TX;
+    if (c < NVEC) {
 #pragma unroll
-    for (int v = 0; v < VPL; ++v) {
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        float x = acc[g][v][e];
-#pragma unroll
-        for (int o = LANES; o < kWarpSize; o *= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
-        const int c = lg + v * LANES;
-        if (lane < LANES && c < NVEC) red_s[warp][c * VEC + e] = x;
+      for (int e = 0; e < VEC; ++e) red_s[(tz * HG + ty) * HEAD + c * VEC + e] = acc[v][e];
+    }
+  }
+  __syncthreads();  // red_s holds every slot's partial acc (and m_s, l_s are written)
+  for (int i = tid; i < nh * HEAD; i += kDecodeThreads) {
+    const int g = i / HEAD;
+    const int d = i % HEAD;
+    float total = 0.0f;
+#pragma unroll 4
+    for (int z = 0; z < TZ; ++z) total += red_s[(z * HG + g) * HEAD + d];
+    const int hh = head0 + g;
+    if (num_parts == 1) {
+      const float lsum = l_s[g];
+      out[s * out_stride_s + hh * out_stride_h + d] = from_float<T>(lsum > 0.0f ? total / lsum : 0.0f);
+    } else {
+      const long long at = (static_cast<long long>(s) * (num_kv_heads * group_size) + hh) * num_parts + part;
+      part_acc[at * HEAD + d] = total;
+      if (d == 0) {
+        part_ml[at * 2] = m_s[g];
+        part_ml[at * 2 + 1] = l_s[g];
       }
     }
-    __syncthreads();  // red_s holds every warp's partial acc of head g (and m_s, l_s are written)
-    if (g < nh && tid < HEAD) {
-      float total = 0.0f;
-#pragma unroll
-      for (int w = 0; w < kDecodeWarps; ++w) total += red_s[w][tid];
-      const int h = head0 + g;
-      if (num_parts == 1) {
-        const float lsum = l_s[g];
-        out[s * out_stride_s + h * out_stride_h + tid] = from_float<T>(lsum > 0.0f ? total / lsum : 0.0f);
-      } else {
-        const long long at = (static_cast<long long>(s) * (num_kv_heads * group_size) + h) * num_parts + part;
-        part_acc[at * HEAD + tid] = total;
-        if (tid == 0) {
-          part_ml[at * 2] = m_s[g];
-          part_ml[at * 2 + 1] = l_s[g];
-        }
-      }
-    }
-    __syncthreads();  // red_s is overwritten for the next head
   }
 }
 
