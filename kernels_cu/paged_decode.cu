@@ -71,9 +71,10 @@ struct PagedCache {
 // ---------------------------------------------------------------------------------------------------------------
 // Layout of one specialisation.
 // Compute: thread (tx, ty, tz), tid = (tz·HG + ty)·TX + tx. TX lanes span head_size (VPL vectors each), ty is the
-// query head, tz a token slot: the thread scores and accumulates head ty over tokens tz, tz + TZ, ... of a tile,
-// with its query and accumulator in registers. The lanes of a warp that differ only in ty read the same key and
-// value vectors from shared memory: one broadcast serves all the heads of a group.
+// query head, tz a token slot. The TX lanes of (ty, tz) form a group that scores and accumulates head ty over
+// tokens tz, tz + TZ, ... of each tile with its own online softmax, query and accumulator all in registers; the
+// groups are combined once, at the end. Lanes of a warp that differ only in ty read the same key and value
+// vectors from shared memory: one broadcast serves all the heads of a group.
 // Copies: a tile is TILE tokens, at most kVecsPerThread·kDecodeThreads 16-byte vectors of K and as many of V
 // (16 KB per tile, whatever the shape); vector idx = tid + k·kDecodeThreads is token idx / NVEC, vector idx % NVEC.
 // ---------------------------------------------------------------------------------------------------------------
@@ -81,20 +82,21 @@ template <typename T, int HEAD, int HG>
 struct DecodeLayout {
   static constexpr int VEC = vec_elems<T>();
   static constexpr int NVEC = HEAD / VEC;
-  static constexpr int TX = pow2_ceil(NVEC) < kWarpSize ? pow2_ceil(NVEC) : kWarpSize;
+  static constexpr int TILE = pow2_floor(kVecsPerThread * kDecodeThreads / NVEC);
+  // Lanes per token: enough to cover head_size in one or two vectors each (two halves the shuffles of the dot
+  // product), while every thread still gets at least one token of a tile.
+  static constexpr int TX_ONE = pow2_ceil(NVEC) < kWarpSize ? pow2_ceil(NVEC) : kWarpSize;
+  static constexpr int TX = TX_ONE >= 8 && TILE * TX_ONE * HG >= 2 * kDecodeThreads ? TX_ONE / 2 : TX_ONE;
   static constexpr int VPL = (NVEC + TX - 1) / TX;
   static constexpr int TZ = kDecodeThreads / (TX * HG);
-  static constexpr int TILE = pow2_floor(kVecsPerThread * kDecodeThreads / NVEC);
   static constexpr int TPT = TILE / TZ;            // tokens per thread per tile
-  static constexpr int KPL = (TPT + TX - 1) / TX;  // of those, tokens whose logit this lane finishes
+  static constexpr int KPL = (TPT + TX - 1) / TX;  // of those, tokens whose bias this lane adds
   static constexpr int kStageVecs = kVecsPerThread * kDecodeThreads;  // per tensor: K_s and V_s are [TILE][NVEC]
   static constexpr int kStageBytes = kStages * 2 * kStageVecs * kVecBytes;
   static_assert(HEAD % VEC == 0, "head size must be a whole number of 16-byte vectors");
-  static_assert(TX * HG <= kDecodeThreads && TILE % TZ == 0, "every thread owns whole tokens of a tile");
+  static_assert(TX * HG <= kDecodeThreads && TPT >= 1 && TILE % TZ == 0, "every thread owns whole tokens");
   static_assert(TILE * NVEC <= kStageVecs, "a tile fits its stage");
-  static_assert(HG <= kDecodeWarps, "the softmax gives each query head one warp");
-  static_assert(kDecodeThreads * (HEAD / TX > VEC ? HEAD / TX : VEC) * 4 <= kStageBytes,
-                "the epilogue reuses the stage buffers");
+  static_assert((TZ * HG * HEAD + 2 * TZ * HG) * 4 <= kStageBytes, "the epilogue reuses the stage buffers");
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -104,7 +106,8 @@ struct DecodeLayout {
 // Pipeline: tile i's K and V travel by cp.async into stage i % kStages of shared memory while the CTA computes
 // tile i − kAhead (kAhead = kStages − 1 tiles, 16 KB each, always in flight). Block ids are fetched 2·kAhead tiles
 // ahead and bias values kAhead tiles ahead into small register rings indexed by the stage (a compile-time
-// constant in the unrolled stage loop), so no thread waits on a load before it needs the value.
+// constant in the unrolled stage loop), so no thread waits on a load before it needs the value. One barrier per
+// tile hands the stage over; the softmax needs none.
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T, int HEAD, KvLayout LAYOUT, int HG, typename Bias>
 __global__ void __launch_bounds__(kDecodeThreads, 2) paged_decode(
@@ -124,10 +127,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) paged_decode(
   constexpr int VEC = L::VEC, NVEC = L::NVEC, TX = L::TX, VPL = L::VPL, TZ = L::TZ, TILE = L::TILE;
   constexpr int TPT = L::TPT, KPL = L::KPL, kAhead = kStages - 1;
 
-  extern __shared__ uint4 stage_s[];   // [kStages][K, V][TILE][NVEC]
-  __shared__ float x_s[kStages][HG][TILE];  // a tile's logits, then its probabilities
-  __shared__ float alpha_s[kStages][HG];    // exp(m_old − m_new) of a tile
-  __shared__ float m_s[HG], l_s[HG];
+  extern __shared__ uint4 stage_s[];  // [kStages][K, V][TILE][NVEC]; then the epilogue's [TZ][HG][HEAD + 2]
 
   const int s = blockIdx.x;
   const int num_chunks = (group_size + HG - 1) / HG;
@@ -137,8 +137,6 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) paged_decode(
   const int part = blockIdx.z;
 
   const int tid = threadIdx.x;
-  const int warp = tid / kWarpSize;
-  const int lane = tid % kWarpSize;
   const int tx = tid % TX;
   const int ty = (tid / TX) % HG;
   const int tz = tid / (TX * HG);
@@ -166,10 +164,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) paged_decode(
   const float slope = alibi_slopes != nullptr && head_used ? alibi_slopes[h] : 0.0f;
 
   // ---- Prefetch rings, one slot per stage (a tile's slot is its index mod kStages).
-  int cblk_r[kStages][kVecsPerThread];           // copy side: block id of each vector this thread copies
-  int xblk_r[kStages][KPL];                      // score side: block id of each token whose logit it finishes
-  bool ok_r[kStages][KPL];                       // ... that token is a key (in the sequence and the cache)
-  typename Bias::Raw bias_r[kStages][KPL];       // ... and its bias for head ty, in storage form
+  int cblk_r[kStages][kVecsPerThread];      // copy side: block id of each vector this thread copies
+  int xblk_r[kStages][KPL];                 // score side: block id of each token whose bias this lane adds
+  bool ok_r[kStages][KPL];                  // ... that token is a key (in the sequence and the cache)
+  typename Bias::Raw bias_r[kStages][KPL];  // ... and its bias for head ty, in storage form
 
   auto k_s = [&](int st, int t, int c) -> uint4* { return &stage_s[(st * 2 * TILE + t) * NVEC + c]; };
   auto v_s = [&](int st, int t, int c) -> uint4* { return &stage_s[((st * 2 + 1) * TILE + t) * NVEC + c]; };
@@ -217,7 +215,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) paged_decode(
     for (int i = 0; i < KPL; ++i) {
       const int k = tx + i * TX;
       const int j = t0 + tz + k * TZ;
-      ok_r[st][i] = k < TPT && is_key(j, xblk_r[st][i]) && head_used;
+      ok_r[st][i] = k < TPT && is_key(j, xblk_r[st][i]);
       if constexpr (Bias::enabled) {
         bias_r[st][i] = typename Bias::Raw{};
         if (k < TPT && j < end && head_used) bias_r[st][i] = bias.load(s, h, j);
@@ -225,7 +223,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) paged_decode(
     }
   };
 
-  // Warp g keeps head g's running max m and sum l; every thread keeps acc for its vectors of head ty.
+  // The group's running max m, sum l = Σ exp(x − m) and acc = Σ exp(x − m)·v over the tokens it has seen.
   float m = -inf();
   float l = 0.0f;
   float acc[VPL][VEC];
@@ -253,10 +251,9 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) paged_decode(
       issue((st + kAhead) % kStages, t0 + kAhead * TILE);
       fetch_ids((st + 2 * kAhead) % kStages, t0 + 2 * kAhead * TILE);
 
-      // ---- Logits: x(j) = <scale·q, k_j> + alibi·(j − len + 1) + bias(j), −inf for a token that is no key.
-      float x_r[KPL];
-#pragma unroll
-      for (int i = 0; i < KPL; ++i) x_r[i] = 0.0f;
+      // ---- Logits x_k = <scale·q, k_j> + alibi·(j − len + 1) + bias(j) (−inf for a token that is no key). The
+      // lane that owns token k adds its extra term to its partial dot product; the group sum gives x_k to all.
+      float x[TPT];
 #pragma unroll
       for (int k = 0; k < TPT; ++k) {
         const int t = tz + k * TZ;
@@ -271,59 +268,40 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) paged_decode(
             for (int e = 0; e < VEC; ++e) dot += q[v][e] * kf[e];
           }
         }
-        dot = group_sum<TX>(dot);
-        if (tx == k % TX) x_r[k / TX] = dot;
+        if (tx == k % TX) {
+          float extra = slope * static_cast<float>(t0 + t - len + 1);
+          if constexpr (Bias::enabled) extra += to_float(bias_r[st][k / TX]);
+          dot = ok_r[st][k / TX] ? dot + extra : -inf();
+        }
+        x[k] = group_sum<TX>(dot);
       }
+
+      // ---- Online softmax: m_new = max(m, max_k x_k), α = exp(m − m_new), p_k = exp(x_k − m_new).
+      float m_new = m;
 #pragma unroll
-      for (int i = 0; i < KPL; ++i) {
-        const int k = tx + i * TX;
-        if (k < TPT) {
-          const int t = tz + k * TZ;
-          float x = x_r[i] + slope * static_cast<float>(t0 + t - len + 1);
-          if constexpr (Bias::enabled) x += to_float(bias_r[st][i]);
-          x_s[st][ty][t] = ok_r[st][i] ? x : -inf();
-        }
-      }
-      __syncthreads();  // x_s[st] holds the whole tile's logits before the softmax reads them
-
-      // ---- Online softmax, warp g for head g: m_new = max(m, max_j x), p = exp(x − m_new), l = l·α + Σ p.
-      if (warp < HG) {
-        float tile_max = -inf();
-        for (int i = lane; i < TILE; i += kWarpSize) tile_max = fmaxf(tile_max, x_s[st][warp][i]);
-        const float m_new = fmaxf(m, warp_max(tile_max));
-        // While every key so far is masked (m_new = −inf) nothing accumulates: α = 1 and p = 0, never NaN.
-        const bool empty = m_new == -inf();
-        const float alpha = empty ? 1.0f : __expf(m - m_new);
-        float sum = 0.0f;
-        for (int i = lane; i < TILE; i += kWarpSize) {
-          const float p = empty ? 0.0f : __expf(x_s[st][warp][i] - m_new);
-          x_s[st][warp][i] = p;
-          sum += p;
-        }
-        l = l * alpha + warp_sum(sum);
-        m = m_new;
-        if (lane == 0) alpha_s[st][warp] = alpha;
-      }
-      // x_s[st] now holds probabilities and alpha_s[st] the rescale factors. The next tile writes those of another
-      // stage, and the next barrier comes before any thread could reach this stage again.
-      __syncthreads();
-
-      // ---- Accumulate: acc = α·acc + Σ_j p(j)·v_j over the thread's tokens.
-      const float a = alpha_s[st][ty];
+      for (int k = 0; k < TPT; ++k) m_new = fmaxf(m_new, x[k]);
+      // While every key so far is masked (m_new = −inf) nothing accumulates: α = 1 and p = 0, never NaN.
+      const bool empty = m_new == -inf();
+      const float alpha = empty ? 1.0f : __expf(m - m_new);
+      m = m_new;
+      l *= alpha;
 #pragma unroll
       for (int v = 0; v < VPL; ++v)
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) acc[v][e] *= a;
+        for (int e = 0; e < VEC; ++e) acc[v][e] *= alpha;
+
+      // ---- Accumulate: l += Σ p_k, acc += Σ p_k·v_k.
 #pragma unroll
       for (int k = 0; k < TPT; ++k) {
         const int t = tz + k * TZ;
-        const float p = x_s[st][ty][t];  // 0 for a token that is no key, whose values are zero-filled
+        const float p = empty ? 0.0f : __expf(x[k] - m_new);  // 0 for a token that is no key
+        l += p;
 #pragma unroll
         for (int v = 0; v < VPL; ++v) {
           const int c = tx + v * TX;
           if (c < NVEC) {
             float vf[VEC];
-            unpack<T>(*v_s(st, t, c), vf);
+            unpack<T>(*v_s(st, t, c), vf);  // zero-filled for a token that is no key
 #pragma unroll
             for (int e = 0; e < VEC; ++e) acc[v][e] += p * vf[e];
           }
@@ -332,39 +310,48 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) paged_decode(
     }
   }
 
-  // ---- Epilogue: sum acc over the token slots through shared memory (the stages, now idle).
+  // ---- Epilogue: combine the TZ token slots of each head, as the split-K reduction combines partitions:
+  //   M = max_z m_z,  w_z = exp(m_z − M),  L = Σ_z w_z·l_z,  o = Σ_z w_z·acc_z.
   cp_async_wait<0>();  // copies issued past the end still write zeros into the stages
-  if (warp < HG && lane == 0) {
-    m_s[warp] = m;
-    l_s[warp] = l;
-  }
-  __syncthreads();  // every thread is done with the stages before red_s overwrites them
-  float* red_s = reinterpret_cast<float*>(stage_s);  // [TZ][HG][HEAD]
+  __syncthreads();     // every thread is done with the stages before the epilogue overwrites them
+  float* acc_s = reinterpret_cast<float*>(stage_s);  // [TZ][HG][HEAD]
+  float* ml_s = acc_s + TZ * HG * HEAD;              // [TZ][HG][2]
 #pragma unroll
   for (int v = 0; v < VPL; ++v) {
     const int c = tx + v * TX;
     if (c < NVEC) {
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) red_s[(tz * HG + ty) * HEAD + c * VEC + e] = acc[v][e];
+      for (int e = 0; e < VEC; ++e) acc_s[(tz * HG + ty) * HEAD + c * VEC + e] = acc[v][e];
     }
   }
-  __syncthreads();  // red_s holds every slot's partial acc (and m_s, l_s are written)
+  if (tx == 0) {
+    ml_s[(tz * HG + ty) * 2] = m;
+    ml_s[(tz * HG + ty) * 2 + 1] = l;
+  }
+  __syncthreads();  // every slot's (m, l, acc) is in shared memory
   for (int i = tid; i < nh * HEAD; i += kDecodeThreads) {
     const int g = i / HEAD;
     const int d = i % HEAD;
-    float total = 0.0f;
-#pragma unroll 4
-    for (int z = 0; z < TZ; ++z) total += red_s[(z * HG + g) * HEAD + d];
+    float big_m = -inf();
+    for (int z = 0; z < TZ; ++z) big_m = fmaxf(big_m, ml_s[(z * HG + g) * 2]);
+    float big_l = 0.0f;
+    float o = 0.0f;
+    if (big_m != -inf()) {
+      for (int z = 0; z < TZ; ++z) {
+        const float w = __expf(ml_s[(z * HG + g) * 2] - big_m);
+        big_l += w * ml_s[(z * HG + g) * 2 + 1];
+        o += w * acc_s[(z * HG + g) * HEAD + d];
+      }
+    }
     const int hh = head0 + g;
     if (num_parts == 1) {
-      const float lsum = l_s[g];
-      out[s * out_stride_s + hh * out_stride_h + d] = from_float<T>(lsum > 0.0f ? total / lsum : 0.0f);
+      out[s * out_stride_s + hh * out_stride_h + d] = from_float<T>(big_l > 0.0f ? o / big_l : 0.0f);
     } else {
       const long long at = (static_cast<long long>(s) * (num_kv_heads * group_size) + hh) * num_parts + part;
-      part_acc[at * HEAD + d] = total;
+      part_acc[at * HEAD + d] = o;
       if (d == 0) {
-        part_ml[at * 2] = m_s[g];
-        part_ml[at * 2 + 1] = l_s[g];
+        part_ml[at * 2] = big_m;
+        part_ml[at * 2 + 1] = big_l;
       }
     }
   }
