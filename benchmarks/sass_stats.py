@@ -25,7 +25,8 @@ def main() -> None:
         f.write(cubin)
         f.flush()
         sass = subprocess.run(["cuobjdump", "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    ops = collections.Counter(m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass))
+    opcode = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
+    ops = collections.Counter(m.group(1) for m in opcode.finditer(sass))
     print(f"{spec.key}: {sum(ops.values())} instructions")
     for op, n in ops.most_common(40):
         print(f"{n:6d} {op}")
