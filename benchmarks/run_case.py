@@ -23,7 +23,13 @@ def main() -> None:
     parser.add_argument("--bias", action="store_true")
     parser.add_argument("--layout", default="nhd")
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                        help="compile the kernels with -DNAME=VALUE (tuning experiments)")
     args = parser.parse_args()
+
+    from cupy_paged_attn import _compile
+
+    _compile._COMPILE_OPTIONS = (*_compile._COMPILE_OPTIONS, *(f"-D{d}" for d in args.define))
 
     import torch
 
@@ -55,7 +61,7 @@ def main() -> None:
     torch.cuda.synchronize()
     us = start.elapsed_time(stop) * 1e3 / args.calls
     nbytes = 2 * b * n * hkv * d * q.element_size() + (b * hq * n * q.element_size() if args.bias else 0)
-    print(f"B{b} H{hq}/{hkv} d{d} L{n} bias={args.bias} {args.layout}: {us:.1f} us/call, "
+    print(f"B{b} H{hq}/{hkv} d{d} L{n} bias={args.bias} {args.layout} {' '.join(args.define)}: {us:.1f} us/call, "
           f"{nbytes / us / 1e3:.0f} GB/s (K+V+bias bytes)")
 
 

@@ -21,6 +21,14 @@ constexpr int kDecodeThreads = 256;
 constexpr int kDecodeWarps = kDecodeThreads / kWarpSize;
 constexpr int kVecsPerThread = 2;  // 16-byte key (and as many value) vectors each thread copies per tile
 constexpr int kStages = 3;         // shared-memory pipeline depth: kStages − 1 tiles in flight while one computes
+// Tuning knobs, overridable with -D for experiments (benchmarks/run_case.py --define): CTAs per SM the register
+// budget must allow, and whether a token's lanes may take two vectors each (fewer shuffles per dot product).
+#ifndef CPA_MIN_CTAS_PER_SM
+#define CPA_MIN_CTAS_PER_SM 3
+#endif
+#ifndef CPA_TWO_VECS_PER_LANE
+#define CPA_TWO_VECS_PER_LANE 1
+#endif
 constexpr int kReduceThreads = 128;
 
 enum class KvLayout : int {
@@ -86,7 +94,8 @@ struct DecodeLayout {
   // Lanes per token: enough to cover head_size in one or two vectors each (two halves the shuffles of the dot
   // product), while every thread still gets at least one token of a tile.
   static constexpr int TX_ONE = pow2_ceil(NVEC) < kWarpSize ? pow2_ceil(NVEC) : kWarpSize;
-  static constexpr int TX = TX_ONE >= 8 && TILE * TX_ONE * HG >= 2 * kDecodeThreads ? TX_ONE / 2 : TX_ONE;
+  static constexpr int TX =
+      CPA_TWO_VECS_PER_LANE && TX_ONE >= 8 && TILE * TX_ONE * HG >= 2 * kDecodeThreads ? TX_ONE / 2 : TX_ONE;
   static constexpr int VPL = (NVEC + TX - 1) / TX;
   static constexpr int TZ = kDecodeThreads / (TX * HG);
   static constexpr int TPT = TILE / TZ;            // tokens per thread per tile
@@ -110,7 +119,7 @@ struct DecodeLayout {
 // tile hands the stage over; the softmax needs none.
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T, int HEAD, KvLayout LAYOUT, int HG, typename Bias>
-__global__ void __launch_bounds__(kDecodeThreads, 2) paged_decode(
+__global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_decode(
     T* __restrict__ out, long long out_stride_s, long long out_stride_h,  // [num_seqs, num_heads, HEAD]
     float* __restrict__ part_acc,  // [num_seqs, num_heads, num_parts, HEAD], used when num_parts > 1
     float* __restrict__ part_ml,   // [num_seqs, num_heads, num_parts, 2] = (m, l), used when num_parts > 1
