@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ def reshape_and_cache(
     slot_mapping: Any,
     *,
     kv_layout: str = "nhd",
+    validate: bool = False,
 ) -> tuple[Any, Any]:
     """Write ``key[t]`` and ``value[t]`` into cache slot ``slot_mapping[t]`` (vLLM's ``reshape_and_cache``).
 
@@ -45,6 +47,9 @@ def reshape_and_cache(
         the arguments are left as they were.
     slot_mapping : array ``[num_tokens]``, int32 or int64
     kv_layout : {"nhd", "vllm"}
+    validate : bool
+        Also check that no slot lies past the cache (``ValueError`` naming the first such token). Copies
+        ``slot_mapping`` to the host: a synchronisation, off by default. The NumPy path always does it.
 
     Returns
     -------
@@ -64,8 +69,8 @@ def reshape_and_cache(
 
     Notes
     -----
-    On the GPU a slot past the cache (``>= num_blocks * block_size``) is skipped rather than written, since
-    checking it on the host would need a sync.
+    On the GPU, unless ``validate=True``, a slot past the cache (``>= num_blocks * block_size``) is skipped rather
+    than written, since checking it on the host would need a sync.
     """
     named = {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
              "slot_mapping": slot_mapping}
@@ -85,6 +90,8 @@ def reshape_and_cache(
             problem = _checks.check_cache_write(
                 arr["key"], arr["value"], arr["key_cache"], arr["value_cache"], arr["slot_mapping"], kv_layout
             )
+            if validate:
+                _checks.check_slots_host(dataclasses.replace(problem, slot_mapping=reference.to_numpy(slot_mapping)))
             k_cache, v_cache = problem.key_cache, problem.value_cache
             if framework == "jax":  # never write into memory JAX owns
                 k_cache, v_cache = k_cache.copy(), v_cache.copy()

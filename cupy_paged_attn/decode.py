@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,7 @@ def heads_per_cta(group_size: int) -> int:
     return next(g for g in _compile.HEADS_PER_CTA if g >= min(group_size, _compile.HEADS_PER_CTA[-1]))
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class DecodeLaunch:
     """How one decode problem is launched: kernel specialisation and key partitioning."""
 
@@ -125,6 +125,7 @@ def paged_attention(
     kv_layout: str = "nhd",
     out: Any = None,
     stream: Any = None,
+    validate: bool = False,
 ) -> Any:
     r"""Decode attention over a paged KV cache with an additive bias.
 
@@ -170,6 +171,10 @@ def paged_attention(
         Stream to launch on: a CuPy stream, a ``torch.cuda.Stream`` (torch arrays) or a ``cudaStream_t`` int.
         Default: the current stream of the query's framework on the query's device (read on every call), so
         ``torch.cuda.stream(...)`` and CUDA-graph capture work. Must be None for NumPy arrays.
+    validate : bool
+        Also check the device data (``seq_lens`` within range, used block ids within the cache) and raise
+        ``ValueError`` naming the first offending sequence. Copies ``seq_lens`` and ``block_tables`` to the host:
+        a synchronisation, off by default (and not allowed during CUDA-graph capture). The NumPy path always does it.
 
     Returns
     -------
@@ -197,9 +202,9 @@ def paged_attention(
 
     Notes
     -----
-    On the GPU, device data is not read on the host (that would cost a sync): a ``seq_lens`` entry outside its
-    range is clamped to ``[0, max_len]``, and a key whose block id lies outside the cache is skipped, so no input
-    can make the kernel read or write out of bounds.
+    On the GPU, device data is not read on the host unless ``validate=True`` (that costs a sync): a ``seq_lens``
+    entry outside its range is clamped to ``[0, max_len]``, and a key whose block id lies outside the cache is
+    skipped, so no input can make the kernel read or write out of bounds.
     """
     named = {
         "query": query, "key_cache": key_cache, "value_cache": value_cache, "block_tables": block_tables,
@@ -232,6 +237,11 @@ def paged_attention(
                 scale=scale, attn_bias=arr.get("attn_bias"), alibi_slopes=arr.get("alibi_slopes"),
                 kv_layout=kv_layout, out=arr.get("out"),
             )
+            if validate:
+                host = dataclasses.replace(
+                    problem, seq_lens=reference.to_numpy(seq_lens), block_tables=reference.to_numpy(block_tables)
+                )
+                _checks.check_host_data(host)
             if out is not None:
                 result, out_arr = out, arr["out"]
             else:

@@ -91,12 +91,13 @@ def paged_attention_ref(
     kv_layout: str = "nhd",
     out: Any = None,
     stream: Any = None,
+    validate: bool = True,
 ) -> Any:
     """Reference of :func:`cupy_paged_attn.paged_attention`, same signature, float64 math on the host.
 
     Arrays of any supported framework are copied to NumPy first. Runs the same argument checks plus the checks of
     device data (``seq_lens`` within ``[0, max_len]``, used block ids within ``[0, num_blocks)``), which raise
-    ``ValueError``. ``stream`` is ignored.
+    ``ValueError``; ``validate`` cannot turn them off (the math needs valid indices). ``stream`` is ignored.
 
     Returns
     -------
@@ -119,9 +120,12 @@ def paged_attention_ref(
 
 
 def reshape_and_cache_ref(
-    key: Any, value: Any, key_cache: np.ndarray, value_cache: np.ndarray, slot_mapping: Any, *, kv_layout: str = "nhd"
+    key: Any, value: Any, key_cache: np.ndarray, value_cache: np.ndarray, slot_mapping: Any, *, kv_layout: str = "nhd",
+    validate: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Reference of :func:`cupy_paged_attn.reshape_and_cache`: writes the NumPy caches in place and returns them."""
+    """Reference of :func:`cupy_paged_attn.reshape_and_cache`: writes the NumPy caches in place and returns them.
+
+    Slots past the cache always raise ``ValueError`` (``validate`` cannot turn that off)."""
     key, value, slot_mapping = to_numpy(key), to_numpy(value), to_numpy(slot_mapping)
     problem = _checks.check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_layout)
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):

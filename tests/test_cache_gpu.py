@@ -87,3 +87,5 @@ def test_out_of_range_slot_is_skipped_on_gpu(rng):
     expected = k_cache.copy()
     expected[0, 3] = key[0]
     np.testing.assert_array_equal(to_numpy(dk), expected)
+    with pytest.raises(ValueError, match=r"slot_mapping: token 1 has slot 112, outside the cache's 112 slots"):
+        cpa.reshape_and_cache(to_cupy(key), to_cupy(value), dk, dv, to_cupy(slots), validate=True)

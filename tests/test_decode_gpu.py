@@ -290,3 +290,13 @@ def test_hostile_block_ids_and_lengths_stay_in_bounds(rng, split):
     assert (out[1] == 0).all(), "a negative length reads nothing"
     assert_close(out[3], paged_attention_ref(*p.args(), **p.kwargs())[3], "f32")
     assert not np.isnan(out[[0, 3]]).any()
+
+    # validate=True finds each of them, naming the first offending sequence.
+    with pytest.raises(ValueError, match=r"block_tables: sequence 0 uses block id -7, outside \[0, "):
+        cpa.paged_attention(*args, **kwargs, validate=True)
+    args[3] = to_cupy(p.block_tables)
+    with pytest.raises(ValueError, match=r"seq_lens: sequence 1 has length -5, outside \[0, "):
+        cpa.paged_attention(*args, **kwargs, validate=True)
+    args[4] = to_cupy(p.seq_lens)
+    assert_close(to_numpy(cpa.paged_attention(*args, **kwargs, validate=True)),
+                 paged_attention_ref(*p.args(), **p.kwargs()), "f32")
