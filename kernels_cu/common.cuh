@@ -94,12 +94,6 @@ __device__ __forceinline__ void unpack<__nv_bfloat16>(const uint4& raw, float* f
   }
 }
 
-// Load one vector of vec_elems<T>() consecutive elements as floats.
-template <typename T>
-__device__ __forceinline__ void load_vec(const T* p, float* f) {
-  unpack<T>(load_raw(p), f);
-}
-
 // ---------------------------------------------------------------------------------------------------------------
 // Asynchronous copies global -> shared (sm_80+), 16 bytes each, cached in L2 only. A copy with src_bytes = 0 reads
 // nothing and writes zeros. Copies are grouped by commit(); wait<N>() returns once at most N of this thread's
@@ -118,23 +112,16 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Warp reductions over aligned groups of LANES consecutive lanes (LANES a power of two <= 32).
-// Every lane of the warp must call them (they shuffle with a full mask).
+// Sum over aligned groups of LANES consecutive lanes (LANES a power of two <= 32); every lane gets its group's sum.
+// Every lane of the warp must call it (it shuffles with a full mask).
 // ---------------------------------------------------------------------------------------------------------------
 template <int LANES>
 __device__ __forceinline__ float group_sum(float x) {
+  static_assert(LANES >= 1 && LANES <= kWarpSize && (LANES & (LANES - 1)) == 0, "a power of two up to a warp");
 #pragma unroll
   for (int o = LANES / 2; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
-
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int o = kWarpSize / 2; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
-
-__device__ __forceinline__ float warp_sum(float x) { return group_sum<kWarpSize>(x); }
 
 // ---------------------------------------------------------------------------------------------------------------
 // Sequence length as the kernels see it: seq_lens[s] clamped to [0, max_len], where max_len is the most keys the

@@ -18,7 +18,6 @@ namespace cpa {
 // Constants
 // ---------------------------------------------------------------------------------------------------------------
 constexpr int kDecodeThreads = 256;
-constexpr int kDecodeWarps = kDecodeThreads / kWarpSize;
 constexpr int kVecsPerThread = 2;  // 16-byte key (and as many value) vectors each thread copies per tile
 constexpr int kStages = 3;         // shared-memory pipeline depth: kStages − 1 tiles in flight while one computes
 // Tuning knobs, overridable with -D for experiments (benchmarks/run_case.py --define): CTAs per SM the register
