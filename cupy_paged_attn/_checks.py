@@ -123,13 +123,14 @@ def check_caches(key_cache: Any, value_cache: Any, kv_layout: str, dtype: Any, h
             f"key_cache: block_size {block_size} is not supported; supported: powers of two up to "
             f"{_compile.BLOCK_SIZES[-1]}"
         )
-    if num_blocks == 0:
-        raise ValueError("key_cache: expected at least one block, got num_blocks = 0")
-    k_strides, v_strides = element_strides(key_cache), element_strides(value_cache)
     page = math.prod(key_cache.shape[1:])
+    if num_blocks == 0:  # an empty cache holds no memory to check (NumPy gives it zero strides)
+        return CacheGeometry(0, block_size, num_kv_heads, d, page)
+    k_strides, v_strides = element_strides(key_cache), element_strides(value_cache)
     for name, cache, strides in (("key_cache", key_cache, k_strides), ("value_cache", value_cache, v_strides)):
         inner = _contiguous_strides(cache.shape[1:])
-        if strides[1:] != inner:
+        # A dimension of size 1 may carry any stride.
+        if any(n > 1 and have != want for n, have, want in zip(cache.shape[1:], strides[1:], inner, strict=True)):
             raise ValueError(
                 f"{name}: each page must be contiguous (strides {inner} in elements after the first dimension), "
                 f"got strides {strides}"

@@ -308,7 +308,8 @@ DECODE_SHAPE_ERRORS = [
                 value_cache=lambda a: rand(cache_shapes("vllm", head_size=64)[1])),
     decode_case("head_size-64-query", ValueError, r"key_cache: expected head_size 64 \(from query\), got 32",
                 query=lambda a: rand((NUM_SEQS, NUM_HEADS, 64))),
-    decode_case("no-blocks", ValueError, r"key_cache: expected at least one block, got num_blocks = 0",
+    # An empty cache is valid; a sequence that needs a page of it is not.
+    decode_case("no-blocks", ValueError, r"block_tables: sequence 0 uses block id \d+, outside \[0, 0\)",
                 key_cache=lambda a: a["key_cache"][:0], value_cache=lambda a: a["value_cache"][:0]),
 ]
 
@@ -474,7 +475,7 @@ CACHE_ERRORS = [
                **both_caches(lambda shape, dtype: rand((shape[0], 2 * shape[1], *shape[2:]), dtype)[:, ::2])),
     cache_case("value_cache-misaligned", ValueError, r"value_cache: data must be 16-byte aligned",
                value_cache=lambda a: paged_view(a["value_cache"].shape, offset=2)),
-    cache_case("no-blocks", ValueError, r"key_cache: expected at least one block",
+    cache_case("no-blocks", ValueError, r"slot_mapping: token 0 has slot \d+, outside the cache's 0 slots",
                key_cache=lambda a: a["key_cache"][:0], value_cache=lambda a: a["value_cache"][:0]),
     # slot_mapping
     *(cache_case(f"slot_mapping-{np.dtype(dt)}", ValueError, rf"slot_mapping: expected dtype int32 or int64, got "

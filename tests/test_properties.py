@@ -1,0 +1,72 @@
+"""Property tests (hypothesis): the NumPy path and the GPU kernel against an independent dense attention, on random
+shapes, page sizes, ragged lengths (0, 1, page boundaries), GQA ratios, bias kinds and strides, ALiBi and scales.
+On failure hypothesis prints the falsifying example and a reproduction blob.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import assert_close, dense_attention, make_problem
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cupy_paged_attn as cpa
+from cupy_paged_attn.reference import paged_attention_ref, to_numpy
+
+BIAS_KINDS = ["none", "dense", "broadcast-seq", "broadcast-head", "strided"]
+
+
+@st.composite
+def problems(draw, dtypes=("f32", "f16", "bf16"), head_sizes=(32, 64, 80)):
+    block_size = draw(st.sampled_from([1, 2, 8, 16, 32]))
+    # Lengths cluster around page boundaries, with empty and one-token sequences.
+    length = st.one_of(
+        st.sampled_from([0, 1, block_size - 1, block_size, block_size + 1, 2 * block_size]),
+        st.integers(0, 90),
+    )
+    seq_lens = [max(n, 0) for n in draw(st.lists(length, min_size=1, max_size=4))]
+    num_kv_heads = draw(st.integers(1, 3))
+    group = draw(st.sampled_from([1, 2, 3, 4, 8, 9]))
+    dtype = draw(st.sampled_from(dtypes))
+    seed = draw(st.integers(0, 2**32 - 1))
+    return make_problem(
+        np.random.default_rng(seed), seq_lens,
+        num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
+        head_size=draw(st.sampled_from(head_sizes)), block_size=block_size, dtype=dtype,
+        kv_layout=draw(st.sampled_from(["nhd", "vllm"])), bias=draw(st.sampled_from(BIAS_KINDS)),
+        bias_dtype=draw(st.sampled_from(["f32", dtype])), alibi=draw(st.booleans()),
+        scale=draw(st.one_of(st.none(), st.floats(0.05, 2.0))),
+        extra_table_cols=draw(st.integers(0, 2)), spare_blocks=draw(st.integers(0, 3)),
+    ), dtype
+
+
+@settings(max_examples=300, deadline=None, print_blob=True)
+@given(problems())
+def test_reference_against_dense(case):
+    problem, _ = case
+    np.testing.assert_allclose(paged_attention_ref(*problem.args(), **problem.kwargs()), dense_attention(problem),
+                               atol=1e-10)
+
+
+@settings(max_examples=100, deadline=None, print_blob=True)
+@given(problems())
+def test_numpy_path_against_dense(case):
+    problem, dtype = case
+    out = cpa.paged_attention(*problem.args(), **problem.kwargs())
+    assert out.dtype == problem.query.dtype
+    assert_close(out, dense_attention(problem), dtype)
+
+
+@pytest.mark.gpu
+@settings(max_examples=300, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(dtypes=("f32", "bf16"), head_sizes=(64,)))
+def test_gpu_kernel_against_reference(case):
+    import cupy
+    from test_decode_gpu import device_args, to_cupy
+
+    problem, dtype = case
+    args, kwargs = device_args(problem, to_cupy)
+    out = cupy.full(problem.query.shape, np.nan, dtype=problem.query.dtype)
+    cpa.paged_attention(*args, **kwargs, out=out)
+    assert_close(to_numpy(out), paged_attention_ref(*problem.args(), **problem.kwargs()), dtype)
