@@ -1,0 +1,73 @@
+"""Representative launches of every kernel family, small enough for compute-sanitizer, each checked against the
+reference: MHA and GQA, single-pass and split-K, both layouts, dense and broadcast bias, ALiBi, ragged and empty
+sequences, and hostile device data (block ids outside the cache, negative and huge seq_lens, slots past the cache).
+
+Run through tests/gpu/sanitize.sh (or alone: ``PYTHONPATH=.:tests python3 tests/gpu/sanitize_cases.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import cupy
+import numpy as np
+from helpers import assert_close, make_problem
+from test_decode_gpu import device_args, to_cupy
+
+import cupy_paged_attn as cpa
+from cupy_paged_attn import decode
+from cupy_paged_attn.reference import paged_attention_ref, to_numpy
+
+CASES = [  # (name, make_problem keywords, force split-K)
+    ("mha-bf16-d64-nhd", dict(seq_lens=[1, 17, 40, 0], num_heads=4, num_kv_heads=4, head_size=64, dtype="bf16",
+                              bias="dense", bias_dtype="bf16"), False),
+    ("gqa4-f16-d128-vllm-split", dict(seq_lens=[300, 5], num_heads=8, num_kv_heads=2, head_size=128, dtype="f16",
+                                      kv_layout="vllm", bias="broadcast-head", alibi=True), True),
+    ("gqa3-f32-d80-b8", dict(seq_lens=[33, 8], num_heads=6, num_kv_heads=2, head_size=80, block_size=8,
+                             bias="strided"), False),
+    ("mqa-bf16-d256-b1-split", dict(seq_lens=[70, 2], num_heads=8, num_kv_heads=1, head_size=256, block_size=1,
+                                    dtype="bf16"), True),
+    ("f32-d192-vllm", dict(seq_lens=[20], num_heads=2, num_kv_heads=1, head_size=192, kv_layout="vllm"), False),
+]
+
+
+def run(name: str, kwargs: dict, split: bool, rng: np.random.Generator) -> None:
+    decode._num_sms = (lambda device: 10**6) if split else (lambda device: 1)
+    p = make_problem(rng, **kwargs)
+    args, kw = device_args(p, to_cupy)
+    out = cupy.full(p.query.shape, np.nan, dtype=p.query.dtype)
+    cpa.paged_attention(*args, **kw, out=out)
+    assert_close(to_numpy(out), paged_attention_ref(*p.args(), **p.kwargs()), kwargs.get("dtype", "f32"), name)
+    print(f"ok  {name}")
+
+
+def hostile(rng: np.random.Generator) -> None:
+    for split in (False, True):
+        decode._num_sms = (lambda device: 10**6) if split else (lambda device: 1)
+        p = make_problem(rng, [40, 30, 20, 10], num_heads=4, num_kv_heads=2, bias="dense")
+        tables = p.block_tables.copy()
+        tables[0, 1], tables[1, 0], tables[2, 1] = -7, 2**31 - 1, p.key_cache.shape[0]
+        args, kw = device_args(p, to_cupy)
+        args[3] = cupy.asarray(tables)
+        args[4] = cupy.asarray(np.array([40, -5, 10**9, 2**31 - 1], np.int32))
+        cpa.paged_attention(*args, **kw)
+    key = cupy.asarray(rng.standard_normal((4, 2, 64)).astype(np.float16))
+    k_cache = cupy.asarray(rng.standard_normal((3, 16, 2, 64)).astype(np.float16))
+    v_cache = k_cache.copy()
+    for slots in ([3, 48, 2**40, -2], [-1, -1, 47, 0]):
+        cpa.reshape_and_cache(key, key, k_cache, v_cache, cupy.asarray(np.array(slots, np.int64)))
+    cupy.cuda.get_current_stream().synchronize()
+    print("ok  hostile indices (no fault)")
+
+
+def main() -> int:
+    rng = np.random.default_rng(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+    for name, kwargs, split in CASES:
+        run(name, kwargs, split, rng)
+    hostile(rng)
+    cupy.cuda.get_current_stream().synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
