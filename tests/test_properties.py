@@ -59,7 +59,7 @@ def test_numpy_path_against_dense(case):
 
 
 @pytest.mark.gpu
-@settings(max_examples=300, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(dtypes=("f32", "bf16"), head_sizes=(64,)))
 def test_gpu_kernel_against_reference(case):
     import cupy
