@@ -12,6 +12,7 @@ torch's current stream, where the kernels launch.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,6 +164,13 @@ def same_device(operands: list[Operand]) -> int:
     return first.device
 
 
+def wrap_all(named: dict[str, Any], framework: str) -> dict[str, Any]:
+    """Wrap every operand that is not None, by name; ValueError if they live on different devices."""
+    ops = [wrap(name, x, framework) for name, x in named.items() if x is not None]
+    same_device(ops)
+    return {op.name: op.array for op in ops}
+
+
 def data_ptr(arr: Any) -> int:
     """Device (or host) address of a wrapped array's first element."""
     if isinstance(arr, TorchArray):
@@ -186,6 +194,11 @@ def contiguous(arr: Any) -> Any:
     return cupy.ascontiguousarray(arr)
 
 
+def unit_last_stride(arr: Any) -> Any:
+    """``arr`` itself if its last dimension is contiguous, else a contiguous copy (for inputs only)."""
+    return arr if arr.strides[-1] == arr.dtype.itemsize else contiguous(arr)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Streams
 # ---------------------------------------------------------------------------------------------------------------
@@ -198,6 +211,19 @@ class StreamPtr:
     def __init__(self, ptr: int, torch_stream: Any = None) -> None:
         self.ptr = ptr
         self.torch_stream = torch_stream
+
+
+@contextlib.contextmanager
+def launch_context(framework: str, device: int, stream: Any) -> Iterator[Any]:
+    """Enter ``device`` and yield the launch stream (:func:`resolve_stream`). A CuPy stream is made current for the
+    block, so DLPack imports (JAX, other producers) order their pending work before the launch; torch operands are
+    read without an import and are already ordered on torch's current stream."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        launch_stream = resolve_stream(stream, framework, device)
+        with launch_stream if isinstance(launch_stream, cupy.cuda.Stream) else contextlib.nullcontext():
+            yield launch_stream
 
 
 def resolve_stream(stream: Any, framework: str, device: int) -> Any:

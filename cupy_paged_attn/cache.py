@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any
 
@@ -78,43 +77,35 @@ def reshape_and_cache(
     if framework == "numpy":
         return reference.reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping, kv_layout=kv_layout)
 
-    import cupy
-
     device = _interop.device_of("key", key, framework)
-    with cupy.cuda.Device(device):
-        stream = _interop.resolve_stream(None, framework, device)
-        with stream if isinstance(stream, cupy.cuda.Stream) else contextlib.nullcontext():
-            ops = {name: _interop.wrap(name, x, framework) for name, x in named.items()}
-            _interop.same_device(list(ops.values()))
-            arr = {name: op.array for name, op in ops.items()}
-            problem = _checks.check_cache_write(
-                arr["key"], arr["value"], arr["key_cache"], arr["value_cache"], arr["slot_mapping"], kv_layout
+    with _interop.launch_context(framework, device, None) as stream:
+        arr = _interop.wrap_all(named, framework)
+        problem = _checks.check_cache_write(
+            arr["key"], arr["value"], arr["key_cache"], arr["value_cache"], arr["slot_mapping"], kv_layout
+        )
+        if validate:
+            _checks.check_slots_host(dataclasses.replace(problem, slot_mapping=reference.to_numpy(slot_mapping)))
+        k_cache, v_cache = problem.key_cache, problem.value_cache
+        if framework == "jax":  # never write into memory JAX owns
+            k_cache, v_cache = k_cache.copy(), v_cache.copy()
+        if problem.num_tokens:
+            slot_dtype = "i64" if np.dtype(problem.slot_mapping.dtype) == np.int64 else "i32"
+            spec = _compile.CacheWriteSpec(problem.dtype, problem.kv_layout, slot_dtype)
+            kernel = _compile.get_cache_write_kernel(spec, device)
+            k, v = _vector_ready(problem.key), _vector_ready(problem.value)
+            slots = _interop.unit_last_stride(problem.slot_mapping)
+            ks, vs = _checks.element_strides(k), _checks.element_strides(v)
+            ptr, i64, i32 = _interop.kernel_arg, np.int64, np.int32
+            kernel(
+                (problem.num_tokens,), (_THREADS,),
+                (
+                    ptr(k), i64(ks[0]), i64(ks[1]), ptr(v), i64(vs[0]), i64(vs[1]), ptr(k_cache), ptr(v_cache),
+                    i64(problem.cache.block_stride), ptr(slots),
+                    i32(problem.cache.num_kv_heads), i32(problem.cache.head_size),
+                    i32(problem.cache.block_size), i32(problem.cache.num_blocks),
+                ),
+                stream=stream,
             )
-            if validate:
-                _checks.check_slots_host(dataclasses.replace(problem, slot_mapping=reference.to_numpy(slot_mapping)))
-            k_cache, v_cache = problem.key_cache, problem.value_cache
-            if framework == "jax":  # never write into memory JAX owns
-                k_cache, v_cache = k_cache.copy(), v_cache.copy()
-            if problem.num_tokens:
-                slot_dtype = "i64" if np.dtype(problem.slot_mapping.dtype) == np.int64 else "i32"
-                spec = _compile.CacheWriteSpec(problem.dtype, problem.kv_layout, slot_dtype)
-                kernel = _compile.get_cache_write_kernel(spec, device)
-                k, v = _vector_ready(problem.key), _vector_ready(problem.value)
-                slots = problem.slot_mapping
-                if slots.strides[0] != slots.dtype.itemsize:
-                    slots = _interop.contiguous(slots)
-                ks, vs = _checks.element_strides(k), _checks.element_strides(v)
-                ptr, i64, i32 = _interop.kernel_arg, np.int64, np.int32
-                kernel(
-                    (problem.num_tokens,), (_THREADS,),
-                    (
-                        ptr(k), i64(ks[0]), i64(ks[1]), ptr(v), i64(vs[0]), i64(vs[1]), ptr(k_cache), ptr(v_cache),
-                        i64(problem.cache.block_stride), ptr(slots),
-                        i32(problem.cache.num_kv_heads), i32(problem.cache.head_size),
-                        i32(problem.cache.block_size), i32(problem.cache.num_blocks),
-                    ),
-                    stream=stream,
-                )
     if framework == "jax":
         return _interop.finish("jax", k_cache), _interop.finish("jax", v_cache)
     return key_cache, value_cache

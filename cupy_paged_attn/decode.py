@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -65,21 +64,16 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int) -> DecodeLaunch:
     return DecodeLaunch(spec, (p.num_seqs, p.num_kv_heads * chunks, parts), tokens_per_part, parts)
 
 
-def _unit_last_stride(arr: Any) -> Any:
-    """``arr`` itself if its last dimension is contiguous, else a contiguous copy (inputs only)."""
-    return arr if arr.strides[-1] == arr.dtype.itemsize else _interop.contiguous(arr)
-
-
 def _launch(problem: _checks.DecodeProblem, launch: DecodeLaunch, out: Any, workspace: tuple[Any, Any] | None,
             stream: Any, device: int) -> None:
     p = problem
     kernel, reduce_kernel = _compile.get_decode_kernels(launch.spec, device, _STAGE_BYTES)
     ptr = _interop.kernel_arg
     null = np.uint64(0)
-    q = _unit_last_stride(p.query)
-    tables = _unit_last_stride(p.block_tables)
-    seq_lens = ptr(_unit_last_stride(p.seq_lens))
-    alibi = null if p.alibi_slopes is None else ptr(_unit_last_stride(p.alibi_slopes))
+    q = _interop.unit_last_stride(p.query)
+    tables = _interop.unit_last_stride(p.block_tables)
+    seq_lens = ptr(_interop.unit_last_stride(p.seq_lens))
+    alibi = null if p.alibi_slopes is None else ptr(_interop.unit_last_stride(p.alibi_slopes))
     bias, bias_strides = null, (0, 0, 0)
     if p.attn_bias is not None:
         bias, bias_strides = ptr(p.attn_bias), _checks.element_strides(p.attn_bias)
@@ -222,41 +216,34 @@ def paged_attention(
     if framework == "jax" and out is not None:
         raise TypeError("out: JAX arrays are immutable; call without out= and use the returned array")
 
-    import cupy
-
     device = _interop.device_of("query", query, framework)
-    with cupy.cuda.Device(device):
-        launch_stream = _interop.resolve_stream(stream, framework, device)
-        # DLPack imports (JAX, CuPy's own producers) are ordered on the launch stream; torch needs no import.
-        with launch_stream if isinstance(launch_stream, cupy.cuda.Stream) else contextlib.nullcontext():
-            ops = {name: _interop.wrap(name, x, framework) for name, x in named.items() if x is not None}
-            _interop.same_device(list(ops.values()))
-            arr = {name: op.array for name, op in ops.items()}
-            problem = _checks.check_decode(
-                arr["query"], arr["key_cache"], arr["value_cache"], arr["block_tables"], arr["seq_lens"],
-                scale=scale, attn_bias=arr.get("attn_bias"), alibi_slopes=arr.get("alibi_slopes"),
-                kv_layout=kv_layout, out=arr.get("out"),
+    with _interop.launch_context(framework, device, stream) as launch_stream:
+        arr = _interop.wrap_all(named, framework)
+        problem = _checks.check_decode(
+            arr["query"], arr["key_cache"], arr["value_cache"], arr["block_tables"], arr["seq_lens"],
+            scale=scale, attn_bias=arr.get("attn_bias"), alibi_slopes=arr.get("alibi_slopes"),
+            kv_layout=kv_layout, out=arr.get("out"),
+        )
+        if validate:
+            host = dataclasses.replace(
+                problem, seq_lens=reference.to_numpy(seq_lens), block_tables=reference.to_numpy(block_tables)
             )
-            if validate:
-                host = dataclasses.replace(
-                    problem, seq_lens=reference.to_numpy(seq_lens), block_tables=reference.to_numpy(block_tables)
-                )
-                _checks.check_host_data(host)
-            if out is not None:
-                result, out_arr = out, arr["out"]
-            else:
-                result, out_arr = _interop.empty(
-                    framework, tuple(problem.query.shape), problem.query.dtype, query, launch_stream
-                )
-            if problem.num_seqs == 0:
-                return _interop.finish(framework, result)
-            launch = plan_decode(problem, _num_sms(device))
-            workspace = None
-            if launch.num_parts > 1:
-                rows = problem.num_seqs * problem.num_heads * launch.num_parts
-                workspace = (
-                    _interop.empty(framework, (rows, problem.head_size), np.float32, query, launch_stream)[1],
-                    _interop.empty(framework, (rows, 2), np.float32, query, launch_stream)[1],
-                )
-            _launch(problem, launch, out_arr, workspace, launch_stream, device)
+            _checks.check_host_data(host)
+        if out is not None:
+            result, out_arr = out, arr["out"]
+        else:
+            result, out_arr = _interop.empty(
+                framework, tuple(problem.query.shape), problem.query.dtype, query, launch_stream
+            )
+        if problem.num_seqs == 0:
+            return _interop.finish(framework, result)
+        launch = plan_decode(problem, _num_sms(device))
+        workspace = None
+        if launch.num_parts > 1:
+            rows = problem.num_seqs * problem.num_heads * launch.num_parts
+            workspace = (
+                _interop.empty(framework, (rows, problem.head_size), np.float32, query, launch_stream)[1],
+                _interop.empty(framework, (rows, 2), np.float32, query, launch_stream)[1],
+            )
+        _launch(problem, launch, out_arr, workspace, launch_stream, device)
     return _interop.finish(framework, result)
