@@ -124,9 +124,13 @@ _NVRTC_HINT = (
 )
 
 
-def _compile_error(key: str, exc: Exception) -> RuntimeError:
-    log = getattr(exc, "get_message", lambda: str(exc))()
-    if "cuda_fp16.h" in log or "cuda_bf16.h" in log or ("nvrtc" in type(exc).__name__.lower() and "load" in log):
+# What a missing NVRTC library or missing CUDA headers look like in CuPy's and NVRTC's messages.
+_MISSING_TOOLKIT = re.compile(r"cuda_fp16\.h|cuda_bf16\.h|libnvrtc|nvrtc64|CUDA path could not be detected", re.I)
+
+
+def _compile_error(key: str, log: str) -> RuntimeError:
+    """The error for a failed compile: the hint to install NVRTC / the headers if they are missing, else the log."""
+    if _MISSING_TOOLKIT.search(log):
         return RuntimeError(f"{key}: {_NVRTC_HINT}\n{log}")
     return RuntimeError(f"{key}: NVRTC compilation failed:\n{log}")
 
@@ -141,9 +145,9 @@ def _module(filename: str, key: str, names: tuple[str, ...], device_id: int) -> 
             module = cupy.RawModule(code=kernel_source(filename), options=_COMPILE_OPTIONS, name_expressions=names)
             module.compile()
     except cupy.cuda.compiler.CompileException as exc:
-        raise _compile_error(key, exc) from exc
-    except (OSError, RuntimeError) as exc:  # NVRTC library missing or unloadable
-        raise RuntimeError(f"{key}: {_NVRTC_HINT}\n{exc}") from exc
+        raise _compile_error(key, exc.get_message()) from exc
+    except OSError as exc:  # the NVRTC library could not be loaded
+        raise _compile_error(key, str(exc)) from exc
     return module
 
 
