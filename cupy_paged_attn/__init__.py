@@ -5,8 +5,16 @@ reference), and answers in the caller's own type.
 """
 
 from . import reference
+from .bias import alibi_slopes, t5_position_bias, t5_relative_position_bucket
 from .cache import reshape_and_cache
 from .decode import paged_attention
 
-__all__ = ["paged_attention", "reference", "reshape_and_cache"]
+__all__ = [
+    "alibi_slopes",
+    "paged_attention",
+    "reference",
+    "reshape_and_cache",
+    "t5_position_bias",
+    "t5_relative_position_bucket",
+]
 __version__ = "0.1.0"

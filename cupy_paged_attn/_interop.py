@@ -12,7 +12,7 @@ torch's current stream, where the kernels launch.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,6 +169,56 @@ def wrap_all(named: dict[str, Any], framework: str) -> dict[str, Any]:
     ops = [wrap(name, x, framework) for name, x in named.items() if x is not None]
     same_device(ops)
     return {op.name: op.array for op in ops}
+
+
+def to_array_module(name: str, x: Any) -> tuple[Any, Any, Callable[[Any], Any]]:
+    """``(array, xp, back)``: ``x`` as a NumPy (host) or CuPy (GPU) array, zero-copy where possible, its array
+    module, and a function that turns a result computed with ``xp`` back into ``x``'s framework and device.
+
+    Python scalars and lists become NumPy arrays (and results stay NumPy).
+    """
+    top = type(x).__module__.split(".")[0]
+    if top == "torch":
+        if x.device.type == "cuda":
+            import cupy
+            import torch
+
+            return cupy.from_dlpack(x.detach()), cupy, torch.from_dlpack
+        import torch
+
+        t = x.detach()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16), np, _torch_from_numpy
+        return t.numpy(), np, _torch_from_numpy
+    if top in ("jax", "jaxlib"):
+        import jax
+
+        if all(d.platform == "cpu" for d in x.devices()):
+            return np.asarray(x), np, jax.numpy.asarray
+        import cupy
+
+        return _jax_to_cupy(name, x), cupy, jax.dlpack.from_dlpack
+    if top == "cupy":
+        import cupy
+
+        return x, cupy, _identity
+    if isinstance(x, (np.ndarray, np.generic, int, float, list, tuple)):
+        return np.asarray(x), np, _identity
+    kind = f"{type(x).__module__}.{type(x).__name__}"
+    raise TypeError(f"{name}: expected a NumPy, CuPy, PyTorch or JAX array, got {kind}")
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _torch_from_numpy(arr: np.ndarray) -> Any:
+    import torch
+
+    arr = np.ascontiguousarray(arr)
+    if arr.dtype == np.dtype(ml_dtypes.bfloat16):
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
 
 
 def data_ptr(arr: Any) -> int:
