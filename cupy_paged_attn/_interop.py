@@ -12,6 +12,7 @@ torch's current stream, where the kernels launch.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +62,9 @@ class Operand:
 # ---------------------------------------------------------------------------------------------------------------
 # torch
 # ---------------------------------------------------------------------------------------------------------------
+@functools.cache
 def _torch_numpy_dtypes() -> dict[Any, np.dtype]:
+    """NumPy dtypes of torch dtypes (built on first use: torch is imported only when a tensor arrives)."""
     import torch
 
     return {
@@ -73,19 +76,14 @@ def _torch_numpy_dtypes() -> dict[Any, np.dtype]:
     }
 
 
-_TORCH_DTYPES: dict[Any, np.dtype] = {}
-
-
 class TorchArray:
     """A CUDA tensor seen through what the checks and launches read: shape, NumPy dtype, byte strides, pointer."""
 
     __slots__ = ("dtype", "ndim", "ptr", "shape", "strides", "tensor")
 
     def __init__(self, name: str, tensor: Any) -> None:
-        if not _TORCH_DTYPES:
-            _TORCH_DTYPES.update(_torch_numpy_dtypes())
         try:
-            self.dtype = _TORCH_DTYPES[tensor.dtype]
+            self.dtype = _torch_numpy_dtypes()[tensor.dtype]
         except KeyError:
             raise ValueError(f"{name}: unsupported dtype {tensor.dtype}") from None
         self.tensor = tensor
@@ -357,7 +355,5 @@ def finish(framework: str, result: Any) -> Any:
 
 
 def _torch_dtype(dtype: Any) -> Any:
-    if not _TORCH_DTYPES:
-        _TORCH_DTYPES.update(_torch_numpy_dtypes())
     wanted = np.dtype(dtype)
-    return next(t for t, d in _TORCH_DTYPES.items() if d == wanted)
+    return next(t for t, d in _torch_numpy_dtypes().items() if d == wanted)

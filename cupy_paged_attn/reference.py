@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-from . import _checks
+from . import _checks, _interop
 
 __all__ = ["paged_attention_ref", "reshape_and_cache_ref", "to_numpy"]
 
@@ -24,12 +23,7 @@ def to_numpy(x: Any) -> Any:
     if module == "cupy":
         return x.get()
     if module == "torch":
-        import torch
-
-        t = x.detach().cpu()
-        if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        return t.numpy()
+        return _interop.to_array_module("x", x.detach().cpu())[0]
     return np.asarray(x)
 
 
