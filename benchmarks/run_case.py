@@ -2,7 +2,7 @@
 
 Run on a GPU machine, e.g.::
 
-    PYTHONPATH=. python3 benchmarks/run_case.py --batch 32 --heads 32/8 --head-size 128 --length 8192 --bias
+    PYTHONPATH=. python3 benchmarks/run_case.py --batch 32 --heads 32/8 --head-size 128 --length 8192 --bias dense
     ncu --clock-control none -k regex:paged_decode -c 1 --section SpeedOfLight --section WarpStateStats \\
         python3 benchmarks/run_case.py ...
 """
@@ -20,7 +20,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=8192)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--bias", action="store_true")
+    parser.add_argument("--bias", default="none", choices=["none", "dense", "ragged", "t5"])
     parser.add_argument("--layout", default="nhd")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
@@ -49,7 +49,14 @@ def main() -> None:
         v = torch.randn(pages, hkv, d, bs, device="cuda", dtype=dtype)
     tables = torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, -1)
     lens = torch.full((b,), n, device="cuda", dtype=torch.int32)
-    bias = torch.randn(b, hq, n, device="cuda", dtype=dtype) if args.bias else None
+    bias = None
+    if args.bias == "dense":
+        bias = torch.randn(b, hq, n, device="cuda", dtype=dtype)
+    elif args.bias == "ragged":
+        offsets = torch.arange(0, (b + 1) * n, n, device="cuda", dtype=torch.int32)
+        bias = cpa.RaggedBias(torch.randn(b * n, hq, device="cuda", dtype=dtype), offsets)
+    elif args.bias == "t5":
+        bias = cpa.RelativePositionBias(torch.randn(32, hq, device="cuda", dtype=dtype), bidirectional=False)
     out = torch.empty_like(q)
     for _ in range(3):
         cpa.paged_attention(q, k, v, tables, lens, attn_bias=bias, kv_layout=args.layout, out=out)
@@ -60,7 +67,8 @@ def main() -> None:
     stop.record()
     torch.cuda.synchronize()
     us = start.elapsed_time(stop) * 1e3 / args.calls
-    nbytes = 2 * b * n * hkv * d * q.element_size() + (b * hq * n * q.element_size() if args.bias else 0)
+    bias_bytes = b * hq * n * q.element_size() if args.bias in ("dense", "ragged") else 0
+    nbytes = 2 * b * n * hkv * d * q.element_size() + bias_bytes
     print(f"B{b} H{hq}/{hkv} d{d} L{n} bias={args.bias} {args.layout} {' '.join(args.define)}: {us:.1f} us/call, "
           f"{nbytes / us / 1e3:.0f} GB/s (K+V+bias bytes)")
 

@@ -5,11 +5,13 @@ reference), and answers in the caller's own type.
 """
 
 from . import reference
-from .bias import alibi_slopes, t5_position_bias, t5_relative_position_bucket
+from .bias import RaggedBias, RelativePositionBias, alibi_slopes, t5_position_bias, t5_relative_position_bucket
 from .cache import reshape_and_cache
 from .decode import paged_attention
 
 __all__ = [
+    "RaggedBias",
+    "RelativePositionBias",
     "alibi_slopes",
     "paged_attention",
     "reference",

@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _compile, _interop
+from .bias import RaggedBias, RelativePositionBias
 
 #: Query / cache dtypes by short name.
 DTYPES = {
@@ -154,6 +155,94 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+#: Bias element dtypes as the kernels' BiasDtype codes (common.cuh).
+BIAS_DTYPE_CODES = {"f32": 0, "f16": 1, "bf16": 2}
+
+
+def bias_operands(attn_bias: Any) -> dict[str, Any]:
+    """The arrays inside ``attn_bias`` (any kind), named for errors: ``{"attn_bias": dense}`` or the kind's members."""
+    if isinstance(attn_bias, RaggedBias):
+        return {"attn_bias.values": attn_bias.values, "attn_bias.offsets": attn_bias.offsets}
+    if isinstance(attn_bias, RelativePositionBias):
+        return {"attn_bias.table": attn_bias.table, "attn_bias.buckets": attn_bias.buckets}
+    return {"attn_bias": attn_bias}
+
+
+@dataclass
+class CheckedBias:
+    """A validated ``attn_bias`` of any kind, as the kernels' BiasArgs describe it (common.cuh)."""
+
+    mode: str  # "none" | "dense" | "ragged" | "t5" (the specialisation's bias mode)
+    array: Any = None  # dense: the bias; ragged: values; t5: the table (wrapped)
+    index: Any = None  # ragged: offsets; t5: buckets (wrapped, unit stride)
+    strides: tuple[int, int, int, int] = (0, 0, 0, 0)  # elements; dense (s, h, i, j), ragged/t5 (row, h, 0, 0)
+    dtype: str | None = None  # "f32" | "f16" | "bf16"
+    n: int = 0  # ragged: rows of values; t5: max_distance
+    m: int = 0  # t5: buckets per side when bidirectional, else 0
+    length: int | None = None  # dense: L, the most keys it covers
+    source: Any = None  # the RelativePositionBias (geometry for the reference), else None
+
+    def kernel_args(self) -> tuple[Any, ...]:
+        """The kernels' BiasArgs parameters: (ptr, index, stride0..3, dtype code, n, m)."""
+        null = np.uint64(0)
+        ptr = null if self.array is None else _interop.kernel_arg(self.array)
+        index = null if self.index is None else _interop.kernel_arg(self.index)
+        code = BIAS_DTYPE_CODES[self.dtype] if self.dtype is not None else 0
+        return (ptr, index, *(np.int64(x) for x in self.strides), np.int32(code), np.int32(self.n),
+                np.int32(self.m))
+
+
+def check_bias(attn_bias: Any, arrays: dict[str, Any], num_seqs: int, num_heads: int,
+               rows: int | None = None) -> CheckedBias:
+    """Validate ``attn_bias`` (None, a dense array, RaggedBias or RelativePositionBias) whose arrays, wrapped, are
+    ``arrays`` (from :func:`bias_operands`). ``rows`` is None for decode (dense ``[num_seqs, num_heads, L]``) or
+    the most query rows of a sequence for prefill (dense ``[num_seqs, num_heads, rows, L]``)."""
+    if attn_bias is None:
+        return CheckedBias("none")
+    if isinstance(attn_bias, RaggedBias):
+        if rows is not None:
+            raise NotImplementedError("attn_bias: RaggedBias is a decode bias; pass a dense array or a "
+                                      "RelativePositionBias to prefill")
+        values, offsets = arrays["attn_bias.values"], arrays["attn_bias.offsets"]
+        check_ndim("attn_bias.values", values, 2, "[total, num_heads]")
+        dtype = dtype_name("attn_bias.values", values)
+        if values.shape[1] != num_heads:
+            raise ValueError(f"attn_bias.values: expected shape (total, num_heads={num_heads}), got "
+                             f"{tuple(values.shape)}")
+        if values.shape[0] >= 2**31:
+            raise ValueError(f"attn_bias.values: at most 2**31 - 1 rows, got {values.shape[0]}")
+        check_shape("attn_bias.offsets", offsets, (num_seqs + 1,), "[num_seqs + 1]")
+        check_dtype("attn_bias.offsets", offsets, (np.int32,))
+        st = element_strides(values)
+        return CheckedBias("ragged", values, offsets, (st[0], st[1], 0, 0), dtype, n=int(values.shape[0]))
+    if isinstance(attn_bias, RelativePositionBias):
+        table = arrays["attn_bias.table"]
+        check_shape("attn_bias.table", table, (attn_bias.num_buckets, num_heads), "[num_buckets, num_heads]")
+        dtype = dtype_name("attn_bias.table", table)
+        check_shape("attn_bias.buckets", arrays["attn_bias.buckets"], (attn_bias.max_distance + 1,),
+                    "[max_distance + 1] (as RelativePositionBias built it)")
+        check_dtype("attn_bias.buckets", arrays["attn_bias.buckets"], (np.int32,))
+        st = element_strides(table)
+        return CheckedBias("t5", table, arrays["attn_bias.buckets"], (st[0], st[1], 0, 0), dtype,
+                           n=attn_bias.max_distance, m=attn_bias.per_side if attn_bias.bidirectional else 0,
+                           source=attn_bias)
+    bias = arrays["attn_bias"]
+    if rows is None:
+        check_ndim("attn_bias", bias, 3, "[num_seqs, num_heads, L]")
+        want = (num_seqs, num_heads)
+        expected = f"(num_seqs={num_seqs}, num_heads={num_heads}, L >= max(seq_lens))"
+    else:
+        check_ndim("attn_bias", bias, 4, "[num_seqs, num_heads, max_q_len, L]")
+        want = (num_seqs, num_heads)
+        expected = f"(num_seqs={num_seqs}, num_heads={num_heads}, max_q_len >= {rows}, L >= max(seq_lens))"
+    dtype = dtype_name("attn_bias", bias)
+    if tuple(bias.shape[:2]) != want or (rows is not None and bias.shape[2] < rows):
+        raise ValueError(f"attn_bias: expected shape {expected}, got {tuple(bias.shape)}")
+    st = element_strides(bias)
+    strides = (st[0], st[1], 0, st[2]) if rows is None else (st[0], st[1], st[2], st[3])
+    return CheckedBias("dense", bias, None, strides, dtype, length=int(bias.shape[-1]))
+
+
 @dataclass
 class DecodeProblem:
     """Validated decode arguments; arrays are the wrapped (NumPy or CuPy) ones."""
@@ -163,7 +252,7 @@ class DecodeProblem:
     value_cache: Any
     block_tables: Any
     seq_lens: Any
-    attn_bias: Any | None
+    bias: CheckedBias
     alibi_slopes: Any | None
     out: Any | None
     num_seqs: int
@@ -172,11 +261,10 @@ class DecodeProblem:
     head_size: int
     cache: CacheGeometry
     max_blocks_per_seq: int
-    max_len: int  # most keys a sequence can have: the block table's capacity, and the bias length
+    max_len: int  # most keys a sequence can have: the block table's capacity, and a dense bias's length
     scale: float
     kv_layout: str
     dtype: str  # "f32" | "f16" | "bf16"
-    bias_dtype: str | None
 
     @property
     def group_size(self) -> int:
@@ -209,8 +297,15 @@ def check_decode(
     alibi_slopes: Any,
     kv_layout: Any,
     out: Any,
+    bias_arrays: dict[str, Any] | None = None,
 ) -> DecodeProblem:
-    """Validate the arguments of :func:`cupy_paged_attn.paged_attention` (see its docstring for the list)."""
+    """Validate the arguments of :func:`cupy_paged_attn.paged_attention` (see its docstring for the list).
+
+    ``attn_bias`` is the caller's object (None, a dense array or a bias kind); ``bias_arrays`` its arrays as
+    :func:`bias_operands` names them, wrapped (default: ``bias_operands(attn_bias)`` as they are).
+    """
+    if bias_arrays is None:
+        bias_arrays = bias_operands(attn_bias)
     layout = check_layout_option(kv_layout)
     q_dims = "[num_seqs, num_heads, head_size]"
     check_ndim("query", query, 3, q_dims)
@@ -237,16 +332,9 @@ def check_decode(
     check_dtype("seq_lens", seq_lens, (np.int32,))
     max_len = max_blocks * cache.block_size
 
-    bias_dtype = None
-    if attn_bias is not None:
-        check_ndim("attn_bias", attn_bias, 3, "[num_seqs, num_heads, L]")
-        bias_dtype = dtype_name("attn_bias", attn_bias)
-        if attn_bias.shape[:2] != (num_seqs, num_heads):
-            raise ValueError(
-                f"attn_bias: expected shape (num_seqs={num_seqs}, num_heads={num_heads}, L >= max(seq_lens)), "
-                f"got {tuple(attn_bias.shape)}"
-            )
-        max_len = min(max_len, attn_bias.shape[2])
+    bias = check_bias(attn_bias, bias_arrays, num_seqs, num_heads)
+    if bias.length is not None:
+        max_len = min(max_len, bias.length)
     if alibi_slopes is not None:
         check_shape("alibi_slopes", alibi_slopes, (num_heads,), "[num_heads]")
         check_dtype("alibi_slopes", alibi_slopes, (np.float32,))
@@ -259,21 +347,22 @@ def check_decode(
 
     return DecodeProblem(
         query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables, seq_lens=seq_lens,
-        attn_bias=attn_bias, alibi_slopes=alibi_slopes, out=out,
+        bias=bias, alibi_slopes=alibi_slopes, out=out,
         num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=cache.num_kv_heads, head_size=head_size,
         cache=cache, max_blocks_per_seq=max_blocks, max_len=max_len, scale=check_scale(scale, head_size),
-        kv_layout=layout, dtype=dtype, bias_dtype=bias_dtype,
+        kv_layout=layout, dtype=dtype,
     )
 
 
 def check_host_data(problem: DecodeProblem) -> None:
-    """Checks that read device data: the CPU path runs them always (no sync there)."""
+    """Checks that read device data (host copies in ``problem``): the CPU path runs them always (no sync there),
+    the GPU path with ``validate=True``. Each ValueError names the first offending sequence."""
     seq_lens = np.asarray(problem.seq_lens)
     tables = np.asarray(problem.block_tables)
     for s, n in enumerate(seq_lens.tolist()):
         if n < 0 or n > problem.max_len:
             limit = "max_blocks_per_seq * block_size"
-            if problem.attn_bias is not None:
+            if problem.bias.length is not None:
                 limit += " and the bias length L"
             raise ValueError(f"seq_lens: sequence {s} has length {n}, outside [0, {problem.max_len}] ({limit})")
         used = tables[s, : -(-n // problem.cache.block_size)]
@@ -281,6 +370,21 @@ def check_host_data(problem: DecodeProblem) -> None:
         if bad.any():
             raise ValueError(
                 f"block_tables: sequence {s} uses block id {int(used[bad][0])}, outside [0, {problem.cache.num_blocks})"
+            )
+    if problem.bias.mode == "ragged":
+        check_ragged_offsets(np.asarray(problem.bias.index), seq_lens, problem.bias.n)
+
+
+def check_ragged_offsets(offsets: np.ndarray, seq_lens: np.ndarray, total: int) -> None:
+    """Every sequence's rows of a RaggedBias exist: ``0 <= offsets[s]``, ``offsets[s + 1] - offsets[s] >=
+    seq_lens[s]`` and ``offsets[s] + seq_lens[s] <= total``."""
+    for s, n in enumerate(seq_lens.tolist()):
+        first, nxt = int(offsets[s]), int(offsets[s + 1])
+        if first < 0 or nxt - first < n or first + n > total:
+            raise ValueError(
+                f"attn_bias.offsets: sequence {s} has {n} keys but rows [{first}, {nxt}) of values (total {total}); "
+                f"expected 0 <= offsets[s], offsets[s + 1] - offsets[s] >= seq_lens[s] and "
+                f"offsets[s] + seq_lens[s] <= total"
             )
 
 

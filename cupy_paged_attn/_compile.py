@@ -1,7 +1,7 @@
 """Kernel sources, specialisation keys and the compiled-kernel cache.
 
 A specialisation is everything a kernel needs at compile time (dtype, head size, layout, heads per CTA, bias mode).
-Its readable key, e.g. ``paged_decode_bf16_d128_nhd_g4_bias-dense-f32``, names the cached kernel,
+Its readable key, e.g. ``paged_decode_bf16_d128_nhd_g4_bias-dense``, names the cached kernel,
 the log line and the test id. Compiled modules live in :func:`functools.cache` here and in CuPy's own disk cache.
 """
 
@@ -23,8 +23,9 @@ HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
 BLOCK_SIZES = tuple(2**i for i in range(9))
 KV_LAYOUTS = ("nhd", "vllm")
 HEADS_PER_CTA = (1, 2, 4, 8)
-#: Bias modes of the decode kernel: "none", or "dense-<dtype of the bias>".
-BIAS_MODES = ("none", "dense-f32", "dense-f16", "dense-bf16")
+#: Bias kinds, each a device-side source in common.cuh (the bias's element dtype is a run-time argument).
+BIAS_MODES = ("none", "dense", "ragged", "t5")
+_CUDA_BIAS = {"none": "cpa::NoBias", "dense": "cpa::DenseBias", "ragged": "cpa::RaggedBias", "t5": "cpa::T5Bias"}
 
 _CUDA_LAYOUT = {"nhd": "cpa::KvLayout::kNHD", "vllm": "cpa::KvLayout::kVLLM"}
 _CACHE_LAYOUT = {"nhd": "cpa::CacheLayout::kNHD", "vllm": "cpa::CacheLayout::kVLLM"}
@@ -76,7 +77,7 @@ class DecodeSpec:
     def name_expressions(self) -> tuple[str, str]:
         """The kernel and its split-K reduction, as NVRTC name expressions."""
         t = CUDA_TYPES[self.dtype]
-        bias = "cpa::NoBias" if self.bias == "none" else f"cpa::DenseBias<{CUDA_TYPES[self.bias.split('-')[1]]}>"
+        bias = _CUDA_BIAS[self.bias]
         main = (
             f"cpa::paged_decode<{t}, {self.head_size}, {_CUDA_LAYOUT[self.layout]}, "
             f"{self.heads_per_cta}, {bias}>"

@@ -1,7 +1,10 @@
-"""Bias helpers, framework-agnostic: T5's relative-position buckets and bias, and ALiBi slopes.
+"""Bias kinds and helpers, framework-agnostic.
 
-Arrays of NumPy, CuPy, PyTorch or JAX go in; the result comes back in the same framework and on the same device
-(computed with NumPy on the host, with CuPy on a GPU).
+The kinds ``attn_bias`` accepts besides a dense array: :class:`RaggedBias` (memory linear in the tokens used) and
+:class:`RelativePositionBias` (T5's bias, computed in the kernel from its ``[num_buckets, num_heads]`` table).
+The helpers: T5's relative-position buckets and the dense bias they give, and ALiBi slopes. Arrays of NumPy, CuPy,
+PyTorch or JAX go in; results come back in the same framework and on the same device (computed with NumPy on the
+host, with CuPy on a GPU).
 """
 
 from __future__ import annotations
@@ -15,7 +18,13 @@ import numpy as np
 
 from . import _interop
 
-__all__ = ["alibi_slopes", "t5_position_bias", "t5_relative_position_bucket"]
+__all__ = [
+    "RaggedBias",
+    "RelativePositionBias",
+    "alibi_slopes",
+    "t5_position_bias",
+    "t5_relative_position_bucket",
+]
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -163,3 +172,89 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     base = 2 ** (num_heads.bit_length() - 1)  # the largest power of two <= num_heads
     slopes = power_of_two(base) + power_of_two(2 * base)[0::2][: num_heads - base]
     return np.asarray(slopes, dtype=np.float32)
+
+
+class RaggedBias:
+    """A bias stored ragged, sequence after sequence: memory linear in the tokens actually used.
+
+    Sequence ``s``'s bias for query head ``h`` and key ``j`` is ``values[offsets[s] + j, h]``. Pass it as
+    ``attn_bias=RaggedBias(values, offsets)`` (decode only).
+
+    Parameters
+    ----------
+    values : array ``[total, num_heads]``, float32 / float16 / bfloat16, any strides
+        The rows of all sequences; rows between sequences (gaps) are never read.
+    offsets : array ``[num_seqs + 1]``, int32
+        First row of each sequence; requires ``offsets[s + 1] - offsets[s] >= seq_lens[s]`` and
+        ``0 <= offsets[s]``, ``offsets[s] + seq_lens[s] <= total``. On the GPU these device values are checked only
+        with ``validate=True``; unchecked, a sequence whose rows fall outside ``values`` is cut short (no
+        out-of-bounds read).
+
+    Both arrays come from the framework of the other operands; they are checked when the bias is used.
+    """
+
+    __slots__ = ("offsets", "values")
+
+    def __init__(self, values: Any, offsets: Any) -> None:
+        self.values = values
+        self.offsets = offsets
+
+    def __repr__(self) -> str:
+        return f"RaggedBias(values={_describe(self.values)}, offsets={_describe(self.offsets)})"
+
+
+class RelativePositionBias:
+    """T5's relative-position bias, computed in the kernel: nothing of size ``seq_len`` is materialised.
+
+    For a query at position ``p`` and key ``j`` the kernel adds ``table[bucket(j - p), h]``, with
+    ``bucket`` exactly :func:`t5_relative_position_bucket` (in decode ``p = seq_lens[s] - 1``). T5 attention uses
+    ``scale=1.0``. Pass it as ``attn_bias=RelativePositionBias(layer.relative_attention_bias.weight,
+    num_buckets=..., max_distance=..., bidirectional=...)``; build it once per layer and reuse it.
+
+    Parameters
+    ----------
+    table : array ``[num_buckets, num_heads]``, float32 / float16 / bfloat16, any strides
+        T5's ``relative_attention_bias.weight`` as the model holds it (NumPy, CuPy, PyTorch or JAX).
+    num_buckets, max_distance : int
+        The model's ``relative_attention_num_buckets`` / ``relative_attention_max_distance`` (T5: 32, 128).
+    bidirectional : bool
+        False for T5's decoder self-attention (keys after the query share bucket 0), True for its encoder.
+
+    Attributes
+    ----------
+    buckets : int32 array ``[max_distance + 1]``, in ``table``'s framework and on its device
+        The bucket of each distance on one side (``max_distance`` and beyond share the last entry): computed once
+        here, on the host, in float32 exactly as transformers does, and read by the kernel.
+    """
+
+    __slots__ = ("bidirectional", "buckets", "max_distance", "num_buckets", "per_side", "table")
+
+    def __init__(self, table: Any, *, num_buckets: int = 32, max_distance: int = 128,
+                 bidirectional: bool = False) -> None:
+        bidirectional, per_side, max_exact, max_distance = _t5_geometry(bidirectional, num_buckets, max_distance)
+        weights, xp, back = _interop.to_array_module("table", table)
+        if weights.ndim != 2 or weights.shape[0] != num_buckets:
+            raise ValueError(
+                f"table: expected shape (num_buckets={num_buckets}, num_heads), got {tuple(weights.shape)}"
+            )
+        host = np.append(_bucket_table(per_side, max_exact, max_distance), per_side - 1).astype(np.int32)
+        if xp is np:
+            buckets = back(host)
+        else:
+            with xp.cuda.Device(weights.device.id):
+                buckets = back(xp.asarray(host))
+        self.table = table
+        self.num_buckets = int(num_buckets)
+        self.max_distance = max_distance
+        self.bidirectional = bidirectional
+        self.per_side = per_side
+        self.buckets = buckets
+
+    def __repr__(self) -> str:
+        return (f"RelativePositionBias(table={_describe(self.table)}, num_buckets={self.num_buckets}, "
+                f"max_distance={self.max_distance}, bidirectional={self.bidirectional})")
+
+
+def _describe(x: Any) -> str:
+    shape = getattr(x, "shape", None)
+    return f"{type(x).__module__.split('.')[0]} {getattr(x, 'dtype', '?')} {tuple(shape) if shape is not None else '?'}"

@@ -59,8 +59,7 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int) -> DecodeLaunch:
     per_part = -(-p.max_len // parts)
     tokens_per_part = max(_TILE_MULTIPLE, -(-per_part // _TILE_MULTIPLE) * _TILE_MULTIPLE)
     parts = max(1, -(-p.max_len // tokens_per_part))
-    bias = "none" if p.bias_dtype is None else f"dense-{p.bias_dtype}"
-    spec = _compile.DecodeSpec(p.dtype, p.head_size, p.kv_layout, hg, bias)
+    spec = _compile.DecodeSpec(p.dtype, p.head_size, p.kv_layout, hg, p.bias.mode)
     return DecodeLaunch(spec, (p.num_seqs, p.num_kv_heads * chunks, parts), tokens_per_part, parts)
 
 
@@ -74,9 +73,9 @@ def _launch(problem: _checks.DecodeProblem, launch: DecodeLaunch, out: Any, work
     tables = _interop.unit_last_stride(p.block_tables)
     seq_lens = ptr(_interop.unit_last_stride(p.seq_lens))
     alibi = null if p.alibi_slopes is None else ptr(_interop.unit_last_stride(p.alibi_slopes))
-    bias, bias_strides = null, (0, 0, 0)
-    if p.attn_bias is not None:
-        bias, bias_strides = ptr(p.attn_bias), _checks.element_strides(p.attn_bias)
+    bias = p.bias
+    if bias.index is not None:
+        bias = dataclasses.replace(bias, index=_interop.unit_last_stride(bias.index))
     q_strides = _checks.element_strides(q)
     out_strides = _checks.element_strides(out)
     part_acc, part_ml = (ptr(workspace[0]), ptr(workspace[1])) if workspace is not None else (null, null)
@@ -89,7 +88,7 @@ def _launch(problem: _checks.DecodeProblem, launch: DecodeLaunch, out: Any, work
             ptr(p.key_cache), ptr(p.value_cache), i64(p.cache.block_stride), i32(p.cache.num_blocks),
             i32(p.cache.block_size.bit_length() - 1), i32(p.num_kv_heads),
             ptr(tables), i64(_checks.element_strides(tables)[0]), seq_lens, i32(p.max_len),
-            bias, i64(bias_strides[0]), i64(bias_strides[1]), i64(bias_strides[2]), alibi,
+            *bias.kernel_args(), alibi,
             np.float32(p.scale), i32(p.group_size), i32(launch.tokens_per_part), i32(launch.num_parts),
         ),
         stream=stream,
@@ -151,9 +150,15 @@ def paged_attention(
         zeros.
     scale : float, optional
         Multiplies ``<q, k>``; default ``1 / sqrt(head_size)`` (T5 uses 1.0).
-    attn_bias : array ``[num_seqs, num_heads, L]``, float32 / float16 / bfloat16, optional
-        Added to the logits; ``L >= max(seq_lens)``. Any strides: a stride of 0 broadcasts one bias over sequences
-        or heads. ``-inf`` masks a key; a row whose keys are all masked gives zeros. ``+inf`` or NaN give NaN.
+    attn_bias : optional, one of
+        * an array ``[num_seqs, num_heads, L]``, float32 / float16 / bfloat16, with ``L >= max(seq_lens)``.
+          Any strides: a stride of 0 broadcasts one bias over sequences or heads.
+        * :class:`RaggedBias` ``(values [total, num_heads], offsets [num_seqs + 1])``: the bias of key ``j`` is
+          ``values[offsets[s] + j, h]``; memory linear in the tokens used.
+        * :class:`RelativePositionBias` ``(table [num_buckets, num_heads], ...)``: T5's bias
+          ``table[bucket(j - (seq_lens[s] - 1)), h]``, computed in the kernel.
+        Added to the logits. ``-inf`` masks a key; a row whose keys are all masked gives zeros. ``+inf`` or NaN
+        give NaN.
     alibi_slopes : array ``[num_heads]``, float32, optional
         ALiBi slopes; adds ``alibi_slopes[h] * (j - seq_lens[s] + 1)``.
     kv_layout : {"nhd", "vllm"}
@@ -166,7 +171,8 @@ def paged_attention(
         Default: the current stream of the query's framework on the query's device (read on every call), so
         ``torch.cuda.stream(...)`` and CUDA-graph capture work. Must be None for NumPy arrays.
     validate : bool
-        Also check the device data (``seq_lens`` within range, used block ids within the cache) and raise
+        Also check the device data (``seq_lens`` within range, used block ids within the cache, a RaggedBias's
+        offsets) and raise
         ``ValueError`` naming the first offending sequence. Copies ``seq_lens`` and ``block_tables`` to the host:
         a synchronisation, off by default (and not allowed during CUDA-graph capture). The NumPy path always does it.
 
@@ -183,12 +189,15 @@ def paged_attention(
     ValueError
         Checked before any launch, each naming the argument: rank and shape of every array (num_seqs, num_heads,
         head_size, num_kv_heads dividing num_heads, caches of one geometry, block_tables and seq_lens rows,
-        attn_bias ``(num_seqs, num_heads, L)``, alibi_slopes ``(num_heads,)``, out like query); dtypes (query
-        float32/float16/bfloat16, caches and out of the query's dtype, block_tables and seq_lens int32,
-        attn_bias float, alibi_slopes float32); caches contiguous within a page, 16-byte aligned, with the
-        vLLM ``x`` matching the dtype; ``kv_layout``; a finite ``scale``; all arrays on one device; a torch tensor
-        on the CPU. On the NumPy path also the data: seq_lens within ``[0, max_blocks_per_seq * block_size]``
-        (and ``<= L`` with a bias) and the used block ids within ``[0, num_blocks)``.
+        attn_bias ``(num_seqs, num_heads, L)``, RaggedBias values ``(total, num_heads)`` and offsets
+        ``(num_seqs + 1,)``, RelativePositionBias table ``(num_buckets, num_heads)``, alibi_slopes
+        ``(num_heads,)``, out like query); dtypes (query float32/float16/bfloat16, caches and out of the query's
+        dtype, block_tables, seq_lens and offsets int32, bias values float, alibi_slopes float32); caches
+        contiguous within a page, 16-byte aligned, with the vLLM ``x`` matching the dtype; ``kv_layout``; a finite
+        ``scale``; all arrays on one device; a torch tensor on the CPU. On the NumPy path (and with
+        ``validate=True``) also the data: seq_lens within ``[0, max_blocks_per_seq * block_size]`` (and ``<= L``
+        with a dense bias), the used block ids within ``[0, num_blocks)``, and a RaggedBias's rows of every
+        sequence within ``values``.
     NotImplementedError
         A head_size or block_size outside the supported sets.
     RuntimeError
@@ -197,12 +206,13 @@ def paged_attention(
     Notes
     -----
     On the GPU, device data is not read on the host unless ``validate=True`` (that costs a sync): a ``seq_lens``
-    entry outside its range is clamped to ``[0, max_len]``, and a key whose block id lies outside the cache is
-    skipped, so no input can make the kernel read or write out of bounds.
+    entry outside its range is clamped to ``[0, max_len]``, a key whose block id lies outside the cache is
+    skipped, and a sequence whose RaggedBias rows lie outside ``values`` is cut short, so no input can make the
+    kernel read or write out of bounds.
     """
     named = {
         "query": query, "key_cache": key_cache, "value_cache": value_cache, "block_tables": block_tables,
-        "seq_lens": seq_lens, "attn_bias": attn_bias, "alibi_slopes": alibi_slopes, "out": out,
+        "seq_lens": seq_lens, **_checks.bias_operands(attn_bias), "alibi_slopes": alibi_slopes, "out": out,
     }
     framework = _interop.common_framework(named, optional=("attn_bias", "alibi_slopes", "out"))
     if framework == "numpy":
@@ -221,12 +231,16 @@ def paged_attention(
         arr = _interop.wrap_all(named, framework)
         problem = _checks.check_decode(
             arr["query"], arr["key_cache"], arr["value_cache"], arr["block_tables"], arr["seq_lens"],
-            scale=scale, attn_bias=arr.get("attn_bias"), alibi_slopes=arr.get("alibi_slopes"),
-            kv_layout=kv_layout, out=arr.get("out"),
+            scale=scale, attn_bias=attn_bias, alibi_slopes=arr.get("alibi_slopes"), kv_layout=kv_layout,
+            out=arr.get("out"), bias_arrays={k: v for k, v in arr.items() if k.startswith("attn_bias")},
         )
         if validate:
+            bias = problem.bias
+            if bias.mode == "ragged":
+                bias = dataclasses.replace(bias, index=reference.to_numpy(attn_bias.offsets))
             host = dataclasses.replace(
-                problem, seq_lens=reference.to_numpy(seq_lens), block_tables=reference.to_numpy(block_tables)
+                problem, seq_lens=reference.to_numpy(seq_lens), block_tables=reference.to_numpy(block_tables),
+                bias=bias,
             )
             _checks.check_host_data(host)
         if out is not None:

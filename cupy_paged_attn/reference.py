@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 
 from . import _checks, _interop
+from .bias import t5_position_bias
 
-__all__ = ["paged_attention_ref", "reshape_and_cache_ref", "to_numpy"]
+__all__ = ["dense_bias", "paged_attention_ref", "reshape_and_cache_ref", "to_numpy"]
 
 
 def to_numpy(x: Any) -> Any:
@@ -37,12 +38,32 @@ def _nhd_caches(key_cache: np.ndarray, value_cache: np.ndarray, kv_layout: str) 
     return k, v
 
 
+def dense_bias(bias: _checks.CheckedBias, seq_lens: np.ndarray, num_seqs: int, num_heads: int) -> np.ndarray | None:
+    """Any checked decode bias (NumPy arrays) as a dense float64 ``[num_seqs, num_heads, max(seq_lens)]``."""
+    if bias.mode == "none":
+        return None
+    keys = int(seq_lens.max(initial=0))
+    if bias.mode == "dense":
+        return np.asarray(bias.array[:, :, :keys], dtype=np.float64)
+    if bias.mode == "ragged":
+        values = np.asarray(bias.array, dtype=np.float64)
+        dense = np.zeros((num_seqs, num_heads, keys))
+        for s, n in enumerate(seq_lens.tolist()):
+            first = int(bias.index[s])
+            dense[s, :, :n] = values[first:first + n].T
+        return dense
+    t5 = bias.source
+    dense = t5_position_bias(np.asarray(bias.array, dtype=np.float64), seq_lens.astype(np.int64) - 1, keys,
+                             bidirectional=t5.bidirectional, num_buckets=t5.num_buckets, max_distance=t5.max_distance)
+    return np.asarray(dense)
+
+
 def decode_math(problem: _checks.DecodeProblem) -> np.ndarray:
     """out[s, h] in float64 for a checked problem whose arrays are NumPy arrays."""
     p = problem
     q = np.asarray(p.query, dtype=np.float64)
     k_cache, v_cache = _nhd_caches(p.key_cache, p.value_cache, p.kv_layout)
-    bias = None if p.attn_bias is None else np.asarray(p.attn_bias, dtype=np.float64)
+    bias = dense_bias(p.bias, np.asarray(p.seq_lens), p.num_seqs, p.num_heads)
     alibi = None if p.alibi_slopes is None else np.asarray(p.alibi_slopes, dtype=np.float64)
     g = p.group_size
     bs = p.cache.block_size
@@ -89,8 +110,9 @@ def paged_attention_ref(
 ) -> Any:
     """Reference of :func:`cupy_paged_attn.paged_attention`, same signature, float64 math on the host.
 
-    Arrays of any supported framework are copied to NumPy first. Runs the same argument checks plus the checks of
-    device data (``seq_lens`` within ``[0, max_len]``, used block ids within ``[0, num_blocks)``), which raise
+    Arrays of any supported framework are copied to NumPy first. Every bias kind is materialised densely
+    (:func:`dense_bias`). Runs the same argument checks plus the checks of device data (``seq_lens`` within
+    ``[0, max_len]``, used block ids within ``[0, num_blocks)``, a RaggedBias's offsets), which raise
     ``ValueError``; ``validate`` cannot turn them off (the math needs valid indices). ``stream`` is ignored.
 
     Returns
@@ -99,11 +121,13 @@ def paged_attention_ref(
         ``[num_seqs, num_heads, head_size]`` float64, unless ``out`` (a NumPy array) is given: then the result is
         cast into ``out``, which is returned.
     """
-    arrays = [to_numpy(a) for a in (query, key_cache, value_cache, block_tables, seq_lens, attn_bias, alibi_slopes)]
+    arrays = [to_numpy(a) for a in (query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes)]
+    bias_arrays = {name: to_numpy(a) for name, a in _checks.bias_operands(attn_bias).items()}
     if out is not None and not isinstance(out, np.ndarray):
         raise TypeError(f"out: the reference writes NumPy arrays only, got {type(out).__name__}")
     problem = _checks.check_decode(
-        *arrays[:5], scale=scale, attn_bias=arrays[5], alibi_slopes=arrays[6], kv_layout=kv_layout, out=out
+        *arrays[:5], scale=scale, attn_bias=attn_bias, alibi_slopes=arrays[5], kv_layout=kv_layout, out=out,
+        bias_arrays=bias_arrays,
     )
     _checks.check_host_data(problem)
     result = decode_math(problem)

@@ -132,29 +132,122 @@ __device__ __forceinline__ int clamped_len(const int* seq_lens, int s, int max_l
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Bias sources. Each attention kernel is templated on one of these; `enabled` is a compile-time constant, so a
-// kernel built with NoBias contains no bias code at all (`if constexpr`).
-//   value(s, h, j) = the additive bias of sequence s, query head h, key position j (0 <= j < seq_len).
+// Bias sources: what the attention kernels add to a logit besides scale·<q, k> and ALiBi. Every kind is built from
+// the same kernel arguments (BiasArgs), so decode and prefill share one signature and one device code path:
+//
+//   Bias::make(args)        the source, once per CTA
+//   bias.seq(s)             its view of sequence s (a ragged bias reads the sequence's offsets here)
+//   view.limit(len)         the keys the bias covers: len, or fewer when a ragged bias is too short
+//   view.load(h, i, p, j)   the raw bias bits of query head h, query row i (0 in decode) at absolute position p,
+//                           key position j; load early, convert late:
+//   bias.value(raw)         the float the logit gets
+//
+// `enabled` is a compile-time constant, so a kernel built with NoBias contains no bias code at all (`if constexpr`).
+// The element dtype (float32 / float16 / bfloat16) is a run-time argument: it costs one uniform branch per load,
+// not a tripling of the specialisations.
 // ---------------------------------------------------------------------------------------------------------------
-//   make(ptr, stride_s, stride_h, stride_j) builds the source from the kernel's generic bias arguments.
-struct NoBias {
-  static constexpr bool enabled = false;
-  using Raw = float;
-  static __device__ __forceinline__ NoBias make(const void*, long long, long long, long long) { return {}; }
-  __device__ __forceinline__ Raw load(int, int, int) const { return 0.0f; }
+enum BiasDtype : int { kBiasF32 = 0, kBiasF16 = 1, kBiasBF16 = 2 };
+
+struct BiasArgs {
+  const void* ptr;       // dense: the bias; ragged: its values; t5: the bias table
+  const int* index;      // ragged: offsets [num_seqs + 1]; t5: bucket of each distance [max_distance + 1]
+  long long stride[4];   // in elements. dense: (s, h, i, j); ragged: (token, h, -, -); t5: (bucket, h, -, -)
+  int dtype;             // BiasDtype of ptr's elements
+  int n;                 // ragged: rows of values; t5: max_distance
+  int m;                 // t5: bidirectional ? buckets per side : 0
 };
 
-// A dense [num_seqs, num_heads, L] array with arbitrary strides in elements (0 broadcasts).
-template <typename B>
+// One element of a float32 / float16 / bfloat16 array as raw bits (16-bit types in the low half).
+__device__ __forceinline__ unsigned load_bias_bits(const void* p, long long i, int dtype) {
+  return dtype == kBiasF32 ? __ldg(static_cast<const unsigned*>(p) + i)
+                           : static_cast<unsigned>(__ldg(static_cast<const unsigned short*>(p) + i));
+}
+
+__device__ __forceinline__ float bias_bits_to_float(unsigned bits, int dtype) {
+  if (dtype == kBiasF32) return __uint_as_float(bits);
+  if (dtype == kBiasF16) return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+  return __uint_as_float(bits << 16);  // bfloat16 is the upper half of a float32
+}
+
+struct NoBias {
+  static constexpr bool enabled = false;
+  using Raw = unsigned;
+  struct Seq {
+    __device__ __forceinline__ int limit(int len) const { return len; }
+    __device__ __forceinline__ Raw load(int, int, int, int) const { return 0u; }
+  };
+  static __device__ __forceinline__ NoBias make(const BiasArgs&) { return {}; }
+  __device__ __forceinline__ Seq seq(int) const { return {}; }
+  __device__ __forceinline__ float value(Raw) const { return 0.0f; }
+};
+
+// A dense array, bias(s, h, i, j) = ptr[s·stride0 + h·stride1 + i·stride2 + j·stride3], any strides (0 broadcasts).
+// Its length was checked on the host: the kernels' max_len never exceeds it.
 struct DenseBias {
   static constexpr bool enabled = true;
-  const B* ptr;
-  long long stride_s, stride_h, stride_j;
-  static __device__ __forceinline__ DenseBias make(const void* p, long long ss, long long sh, long long sj) {
-    return {static_cast<const B*>(p), ss, sh, sj};
+  using Raw = unsigned;
+  BiasArgs a;
+  struct Seq {
+    BiasArgs a;  // a copy: registers, never a pointer into the CTA's locals
+    long long base;
+    __device__ __forceinline__ int limit(int len) const { return len; }
+    __device__ __forceinline__ Raw load(int h, int i, int, int j) const {
+      return load_bias_bits(a.ptr, base + h * a.stride[1] + i * a.stride[2] + j * a.stride[3], a.dtype);
+    }
+  };
+  static __device__ __forceinline__ DenseBias make(const BiasArgs& args) { return {args}; }
+  __device__ __forceinline__ Seq seq(int s) const { return {a, s * a.stride[0]}; }
+  __device__ __forceinline__ float value(Raw r) const { return bias_bits_to_float(r, a.dtype); }
+};
+
+// A ragged bias: sequence s's keys are rows offsets[s] ... of values [n, num_heads]. Whatever the offsets hold, no
+// row outside [0, n) is read: a sequence whose rows are missing is cut short (validate=True reports it).
+struct RaggedBias {
+  static constexpr bool enabled = true;
+  using Raw = unsigned;
+  BiasArgs a;
+  struct Seq {
+    BiasArgs a;  // a copy: registers, never a pointer into the CTA's locals
+    int first, rows;  // first row of the sequence, rows it may use
+    __device__ __forceinline__ int limit(int len) const { return min(len, rows); }
+    __device__ __forceinline__ Raw load(int h, int, int, int j) const {
+      return load_bias_bits(a.ptr, static_cast<long long>(first + j) * a.stride[0] + h * a.stride[1], a.dtype);
+    }
+  };
+  static __device__ __forceinline__ RaggedBias make(const BiasArgs& args) { return {args}; }
+  __device__ __forceinline__ Seq seq(int s) const {
+    const int first = __ldg(a.index + s);
+    const int next = __ldg(a.index + s + 1);
+    const int rows = first < 0 || first > a.n ? 0 : max(0, min(next - first, a.n - first));
+    return {a, max(first, 0), rows};
   }
-  using Raw = B;
-  __device__ __forceinline__ Raw load(int s, int h, int j) const { return ptr[s * stride_s + h * stride_h + j * stride_j]; }
+  __device__ __forceinline__ float value(Raw r) const { return bias_bits_to_float(r, a.dtype); }
+};
+
+// T5's relative-position bias, computed per key: table[bucket(j − p), h] for the query at position p. The bucket of
+// a distance comes from a small table (index, built on the host from the exact float32 definition, so host and
+// device agree bit for bit); distances >= max_distance (n) share its last entry. Bidirectional (m > 0): keys after
+// the query use the upper m buckets. Causal (m = 0): they all fall in bucket 0.
+struct T5Bias {
+  static constexpr bool enabled = true;
+  using Raw = unsigned;
+  BiasArgs a;
+  struct Seq {
+    BiasArgs a;  // a copy: registers, never a pointer into the CTA's locals
+    int far;     // the bucket of every distance >= max_distance (on one side)
+    __device__ __forceinline__ int limit(int len) const { return len; }
+    // Most keys of a long sequence are far from the query: their bucket needs no table read, so the weight's
+    // load never waits on another load.
+    __device__ __forceinline__ Raw load(int h, int, int p, int j) const {
+      const int rel = j - p;
+      const int distance = a.m > 0 ? abs(rel) : max(-rel, 0);
+      const int bucket = (a.m > 0 && rel > 0 ? a.m : 0) + (distance >= a.n ? far : __ldg(a.index + distance));
+      return load_bias_bits(a.ptr, bucket * a.stride[0] + h * a.stride[1], a.dtype);
+    }
+  };
+  static __device__ __forceinline__ T5Bias make(const BiasArgs& args) { return {args}; }
+  __device__ __forceinline__ Seq seq(int) const { return {a, __ldg(a.index + a.n)}; }
+  __device__ __forceinline__ float value(Raw r) const { return bias_bits_to_float(r, a.dtype); }
 };
 
 }  // namespace cpa

@@ -109,7 +109,8 @@ struct DecodeLayout {
 
 // ---------------------------------------------------------------------------------------------------------------
 // The attention kernel. Template parameters: storage dtype T, head size HEAD, cache LAYOUT, HG = query heads per
-// CTA (1, 2, 4 or 8), Bias = NoBias or DenseBias<B>. The page size is a run-time power of two (block_shift).
+// CTA (1, 2, 4 or 8), Bias = NoBias, DenseBias, RaggedBias or T5Bias (common.cuh). The page size is a run-time
+// power of two (block_shift).
 //
 // Pipeline: tile i's K and V travel by cp.async into stage i % kStages of shared memory while the CTA computes
 // tile i − kAhead (kAhead = kStages − 1 tiles, 16 KB each, always in flight). Block ids are fetched 2·kAhead tiles
@@ -127,7 +128,8 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
     int num_blocks, int block_shift, int num_kv_heads,
     const int* __restrict__ block_tables, long long block_table_stride,  // [num_seqs, max_blocks_per_seq]
     const int* __restrict__ seq_lens, int max_len,                        // [num_seqs]
-    const void* __restrict__ bias_ptr, long long bias_stride_s, long long bias_stride_h, long long bias_stride_j,
+    const void* bias_ptr, const int* bias_index, long long bias_stride_0, long long bias_stride_1,
+    long long bias_stride_2, long long bias_stride_3, int bias_dtype, int bias_n, int bias_m,  // BiasArgs
     const float* __restrict__ alibi_slopes,  // [num_heads] or null
     float scale, int group_size, int tokens_per_part, int num_parts) {
   using L = DecodeLayout<T, HEAD, HG>;
@@ -149,13 +151,16 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
   const int ty = (tid / TX) % HG;
   const int tz = tid / (TX * HG);
 
-  const int len = clamped_len(seq_lens, s, max_len);
+  const Bias bias = Bias::make(BiasArgs{bias_ptr, bias_index, {bias_stride_0, bias_stride_1, bias_stride_2,
+                                        bias_stride_3}, bias_dtype, bias_n, bias_m});
+  const typename Bias::Seq seq_bias = bias.seq(s);
+  // Keys of this sequence: seq_lens[s] within the block table (and a dense bias), and within a ragged bias's rows.
+  const int len = seq_bias.limit(clamped_len(seq_lens, s, max_len));
   const int start = part * tokens_per_part;
   const int end = min(start + tokens_per_part, len);
   const int block_mask = (1 << block_shift) - 1;
 
   const Cache cache{key_cache, value_cache, cache_block_stride, num_kv_heads, block_shift};
-  const Bias bias = Bias::make(bias_ptr, bias_stride_s, bias_stride_h, bias_stride_j);
   const int* table = block_tables + s * block_table_stride;
   const bool head_used = ty < nh;
   const int h = head0 + ty;
@@ -175,7 +180,7 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
   int cblk_r[kStages][kVecsPerThread];      // copy side: block id of each vector this thread copies
   int xblk_r[kStages][KPL];                 // score side: block id of each token whose bias this lane adds
   bool ok_r[kStages][KPL];                  // ... that token is a key (in the sequence and the cache)
-  typename Bias::Raw bias_r[kStages][KPL];  // ... and its bias for head ty, in storage form
+  typename Bias::Raw bias_r[kStages][KPL];  // ... and its bias for head ty, raw bits
 
   auto k_s = [&](int st, int t, int c) -> uint4* { return &stage_s[(st * 2 * TILE + t) * NVEC + c]; };
   auto v_s = [&](int st, int t, int c) -> uint4* { return &stage_s[((st * 2 + 1) * TILE + t) * NVEC + c]; };
@@ -226,7 +231,7 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
       ok_r[st][i] = k < TPT && is_key(j, xblk_r[st][i]);
       if constexpr (Bias::enabled) {
         bias_r[st][i] = typename Bias::Raw{};
-        if (k < TPT && j < end && head_used) bias_r[st][i] = bias.load(s, h, j);
+        if (k < TPT && j < end && head_used) bias_r[st][i] = seq_bias.load(h, 0, len - 1, j);
       }
     }
   };
@@ -278,7 +283,7 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
         }
         if (tx == k % TX) {
           float extra = slope * static_cast<float>(t0 + t - len + 1);
-          if constexpr (Bias::enabled) extra += to_float(bias_r[st][k / TX]);
+          if constexpr (Bias::enabled) extra += bias.value(bias_r[st][k / TX]);
           dot = ok_r[st][k / TX] ? dot + extra : -inf();
         }
         x[k] = group_sum<TX>(dot);

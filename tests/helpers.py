@@ -34,9 +34,11 @@ class Problem:
     kv_layout: str
     dense_k: list[np.ndarray] = field(default_factory=list)  # per sequence [len, Hkv, D]
     dense_v: list[np.ndarray] = field(default_factory=list)
+    bias_kind: Any = None  # a RaggedBias / RelativePositionBias to pass instead of attn_bias (its dense form)
 
     def kwargs(self) -> dict[str, Any]:
-        return {"scale": self.scale, "attn_bias": self.attn_bias, "alibi_slopes": self.alibi_slopes,
+        bias = self.bias_kind if self.bias_kind is not None else self.attn_bias
+        return {"scale": self.scale, "attn_bias": bias, "alibi_slopes": self.alibi_slopes,
                 "kv_layout": self.kv_layout}
 
     def args(self) -> tuple[np.ndarray, ...]:
@@ -62,7 +64,7 @@ def make_problem(
     block_size: int = 16,
     dtype: str = "f32",
     kv_layout: str = "nhd",
-    bias: str = "none",  # "none" | "dense" | "broadcast-seq" | "broadcast-head" | "strided"
+    bias: str = "none",  # "none" | "dense" | "broadcast-seq" | "broadcast-head" | "strided" | BIAS_KINDS
     bias_dtype: str = "f32",
     alibi: bool = False,
     scale: float | None = None,
@@ -94,13 +96,71 @@ def make_problem(
     if kv_layout == "vllm":
         k_cache, v_cache = to_vllm_layout(k_cache, v_cache)
     query = rng.standard_normal((num_seqs, num_heads, head_size)).astype(np_dtype)
-    bias_arr = make_bias(rng, bias, num_seqs, num_heads, max(seq_lens, default=0) + 5, DTYPES[bias_dtype])
+    length = max(seq_lens, default=0) + 5
+    kind = None
+    if bias in BIAS_KINDS:
+        kind, bias_arr = make_bias_kind(rng, bias, seq_lens, num_heads, DTYPES[bias_dtype])
+    else:
+        bias_arr = make_bias(rng, bias, num_seqs, num_heads, length, DTYPES[bias_dtype])
     if bias == "dense":  # the bias past each sequence's length must never be read
         for s, n in enumerate(seq_lens):
             bias_arr[s, :, n:] = np.nan
     slopes = (rng.uniform(0.01, 0.5, num_heads).astype(np.float32)) if alibi else None
     return Problem(query, k_cache, v_cache, tables, np.asarray(seq_lens, dtype=np.int32), bias_arr, slopes, scale,
-                   kv_layout, dense_k, dense_v)
+                   kv_layout, dense_k, dense_v, kind)
+
+
+#: Bias kinds other than a dense array: ragged rows (contiguous, or stored head-major), T5 in-kernel (causal as in
+#: a decoder, bidirectional as in an encoder; T5's geometry and an odd one).
+BIAS_KINDS = ("ragged", "ragged-strided", "t5-causal", "t5-bidir", "t5-odd")
+RAGGED_GAP = 3  # rows of NaN before each sequence's rows of a ragged bias: never read
+
+
+def make_bias_kind(rng: np.random.Generator, kind: str, seq_lens: list[int], num_heads: int, dtype: Any
+                   ) -> tuple[Any, np.ndarray]:
+    """``(bias object, its dense form [num_seqs, num_heads, max(seq_lens)])``; the dense form, NaN-free, is what
+    the independent :func:`dense_attention` adds."""
+    import cupy_paged_attn as cpa
+
+    keys = max(seq_lens, default=0)
+    dense = np.zeros((len(seq_lens), num_heads, keys), dtype=np.float32)
+    if kind.startswith("ragged"):
+        offsets = np.zeros(len(seq_lens) + 1, np.int32)
+        for s, n in enumerate(seq_lens):
+            offsets[s + 1] = offsets[s] + RAGGED_GAP + n
+        offsets[:-1] += RAGGED_GAP  # each sequence starts after its gap; the last offset is the end
+        total = int(offsets[-1]) + 2
+        values = np.full((total, num_heads), np.nan, np.float32)
+        for s, n in enumerate(seq_lens):
+            rows = rng.standard_normal((n, num_heads)).astype(dtype)
+            values[offsets[s]:offsets[s] + n] = rows
+            dense[s, :, :n] = rows.T
+        values = values.astype(dtype)
+        if kind == "ragged-strided":  # stored [num_heads, total]: values' rows are strided
+            values = np.ascontiguousarray(values.T).T
+        return cpa.RaggedBias(values, offsets), dense
+    num_buckets, max_distance = (32, 128) if kind != "t5-odd" else (10, 40)
+    bidirectional = kind != "t5-causal"
+    table = rng.standard_normal((num_buckets, num_heads)).astype(dtype)
+    for s, n in enumerate(seq_lens):
+        buckets = cpa.t5_relative_position_bucket(np.arange(n) - (n - 1), bidirectional=bidirectional,
+                                                  num_buckets=num_buckets, max_distance=max_distance)
+        dense[s, :, :n] = table[buckets].T
+    kind_obj = cpa.RelativePositionBias(table, num_buckets=num_buckets, max_distance=max_distance,
+                                        bidirectional=bidirectional)
+    return kind_obj, dense
+
+
+def convert_bias(bias: Any, convert: Any) -> Any:
+    """A bias of any kind with its arrays converted by ``convert`` (e.g. to CuPy or torch)."""
+    import cupy_paged_attn as cpa
+
+    if isinstance(bias, cpa.RaggedBias):
+        return cpa.RaggedBias(convert(bias.values), convert(bias.offsets))
+    if isinstance(bias, cpa.RelativePositionBias):
+        return cpa.RelativePositionBias(convert(bias.table), num_buckets=bias.num_buckets,
+                                        max_distance=bias.max_distance, bidirectional=bias.bidirectional)
+    return convert(bias)
 
 
 def make_bias(rng: np.random.Generator, kind: str, num_seqs: int, num_heads: int, length: int,

@@ -154,3 +154,67 @@ def test_gpu_arrays_stay_on_the_gpu():
     table = torch.randn(32, 4, device="cuda")
     bias = cpa.t5_position_bias(table, torch.tensor([5, 9], device="cuda"), 64, bidirectional=True)
     assert bias.is_cuda and bias.shape == (2, 4, 64)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The in-kernel T5 bias (common.cuh T5Bias, the device code the attention kernels run) against the NumPy helper
+# ---------------------------------------------------------------------------------------------------------------
+_T5_PROBE = r"""
+extern "C" __global__ void t5_probe(float* out, const void* table, const int* buckets, long long stride_b,
+                                    long long stride_h, int dtype, int max_distance, int per_side_if_bidir,
+                                    int num_heads, int query_pos, int num_keys) {
+  const cpa::T5Bias bias = cpa::T5Bias::make(
+      cpa::BiasArgs{table, buckets, {stride_b, stride_h, 0, 0}, dtype, max_distance, per_side_if_bidir});
+  const cpa::T5Bias::Seq view = bias.seq(0);
+  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < num_keys; j += gridDim.x * blockDim.x) {
+    for (int h = 0; h < num_heads; ++h) {
+      out[static_cast<long long>(h) * num_keys + j] = bias.value(view.load(h, 0, query_pos, j));
+    }
+  }
+}
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("num_buckets", "max_distance", "bidirectional"), T5_CONFIGS)
+def test_kernel_t5_bias_matches_the_helper_exhaustively(num_buckets, max_distance, bidirectional):
+    """Every relative position with |n| <= 2**20: the value the kernel adds is table[bucket, h] with the helper's
+    bucket, bit for bit. The table encodes (bucket, head) in its values, so the bucket can be read back."""
+    import cupy
+
+    from cupy_paged_attn import _checks, _compile
+
+    num_heads = 3
+    source = (_compile.kernel_dir() / "common.cuh").read_text() + _T5_PROBE
+    probe = cupy.RawModule(code=source, options=("-std=c++17",)).get_function("t5_probe")
+    host_table = (np.arange(num_buckets)[:, None] * 1000 + np.arange(num_heads)[None, :]).astype(np.float32)
+    bias = cpa.RelativePositionBias(cupy.asarray(host_table.T).T, num_buckets=num_buckets,  # strided table
+                                    max_distance=max_distance, bidirectional=bidirectional)
+    checked = _checks.check_bias(bias, {"attn_bias.table": bias.table, "attn_bias.buckets": bias.buckets},
+                                 1, num_heads)
+    num_keys = 2 * SPAN + 1
+    out = cupy.empty((num_heads, num_keys), cupy.float32)
+    args = checked.kernel_args()
+    probe((1024,), (256,), (out, args[0], args[1], args[2], args[3], args[6], args[7], args[8],
+                            np.int32(num_heads), np.int32(SPAN), np.int32(num_keys)))
+    got = out.get()
+    expected_bucket = cpa.t5_relative_position_bucket(np.arange(num_keys) - SPAN, bidirectional=bidirectional,
+                                                      num_buckets=num_buckets, max_distance=max_distance)
+    for h in range(num_heads):
+        np.testing.assert_array_equal(got[h], host_table[expected_bucket, h], err_msg=f"head {h}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("num_buckets", "max_distance", "bidirectional"), T5_CONFIGS[:4])
+def test_transformers_on_cuda_buckets_like_the_helper(num_buckets, max_distance, bidirectional):
+    """transformers computes the bucket with torch on the model's device; on CUDA its float32 log may round
+    differently from the CPU's. Record whether it does (the kernels follow the CPU definition)."""
+    torch = pytest.importorskip("torch")
+    t5 = pytest.importorskip("transformers.models.t5.modeling_t5")
+    rel = torch.arange(-SPAN, SPAN + 1, device="cuda")
+    theirs = t5.T5Attention._relative_position_bucket(rel, bidirectional=bidirectional, num_buckets=num_buckets,
+                                                      max_distance=max_distance).cpu()
+    ours = cpa.t5_relative_position_bucket(rel.cpu(), bidirectional=bidirectional, num_buckets=num_buckets,
+                                           max_distance=max_distance)
+    differ = (ours != theirs.to(ours.dtype)).nonzero().flatten()
+    assert differ.numel() == 0, f"{differ.numel()} positions differ, first at n = {int(rel[differ[0]])}"

@@ -42,8 +42,8 @@ def test_sources_inline_their_headers():
 
 
 def test_keys_are_readable():
-    spec = _compile.DecodeSpec("bf16", 128, "nhd", 4, "dense-f32")
-    assert spec.key == "paged_decode_bf16_d128_nhd_g4_bias-dense-f32"
+    spec = _compile.DecodeSpec("bf16", 128, "nhd", 4, "t5")
+    assert spec.key == "paged_decode_bf16_d128_nhd_g4_bias-t5"
     assert _compile.CacheWriteSpec("f16", "vllm", "i64").key == "reshape_and_cache_f16_vllm_slot-i64"
 
 

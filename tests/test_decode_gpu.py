@@ -9,7 +9,7 @@ import itertools
 
 import numpy as np
 import pytest
-from helpers import DTYPES, assert_close, make_problem
+from helpers import BIAS_KINDS, DTYPES, assert_close, convert_bias, dense_attention, make_problem
 
 import cupy_paged_attn as cpa
 from cupy_paged_attn import decode
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 SEQ_LENS = [1, 15, 17, 0, 513, 700]  # 1, odd, page boundaries, empty, long, the last at the table's capacity
 HEADS = [(4, 4), (8, 2), (16, 2), (6, 2), (8, 1)]  # GQA ratios 1, 4, 8, 3 and MQA
-BIAS_KINDS = ["none", "dense", "broadcast-seq", "broadcast-head", "strided"]
+DENSE_BIASES = ["none", "dense", "broadcast-seq", "broadcast-head", "strided"]  # as laid out in memory
 GRID = [
     (dtype, head_size, block_size, i)
     for i, (dtype, head_size, block_size) in enumerate(
@@ -56,7 +56,8 @@ def to_torch(arr, device="cuda"):
 
 
 def device_args(p, convert):
-    return [convert(a) for a in p.args()], {**p.kwargs(), "attn_bias": convert(p.attn_bias),
+    kwargs = p.kwargs()
+    return [convert(a) for a in p.args()], {**kwargs, "attn_bias": convert_bias(kwargs["attn_bias"], convert),
                                            "alibi_slopes": convert(p.alibi_slopes)}
 
 
@@ -82,12 +83,40 @@ def run_cupy(p, poison_out=True):
 def test_decode_grid(rng, split, dtype, head_size, block_size, i):
     num_heads, num_kv_heads = HEADS[i % len(HEADS)]
     layout = ["nhd", "vllm"][i % 2]
-    bias = BIAS_KINDS[i % len(BIAS_KINDS)]
+    bias = DENSE_BIASES[i % len(DENSE_BIASES)]
     p = make_problem(rng, SEQ_LENS, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
                      block_size=block_size, dtype=dtype, kv_layout=layout, bias=bias, bias_dtype=dtype,
                      alibi=i % 3 == 0, extra_table_cols=0)
     what = f"{layout} heads={num_heads}/{num_kv_heads} bias={bias} alibi={i % 3 == 0} {split}"
     assert_close(run_cupy(p), paged_attention_ref(*p.args(), **p.kwargs()), dtype, what)
+
+
+KIND_GRID = [  # (dtype, head_size, (num_heads, num_kv_heads), layout, bias dtype)
+    ("bf16", 128, (8, 2), "nhd", "bf16"), ("f16", 64, (4, 4), "vllm", "f32"), ("f32", 96, (6, 2), "nhd", "f16"),
+    ("bf16", 256, (8, 1), "vllm", "f32"), ("f16", 80, (16, 2), "nhd", "f16"),
+]
+
+
+@pytest.mark.parametrize("kind", BIAS_KINDS)
+@pytest.mark.parametrize(("dtype", "head_size", "heads", "layout", "bias_dtype"), KIND_GRID,
+                         ids=[f"{d}-d{h}-{q}of{k}-{lay}-bias{b}" for d, h, (q, k), lay, b in KIND_GRID])
+def test_bias_kinds(rng, split, kind, dtype, head_size, heads, layout, bias_dtype):
+    alibi = head_size in (64, 256)
+    p = make_problem(rng, SEQ_LENS, num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size, dtype=dtype,
+                     kv_layout=layout, bias=kind, bias_dtype=bias_dtype, alibi=alibi, extra_table_cols=0)
+    out = run_cupy(p)
+    what = f"{kind} {split}"
+    assert_close(out, paged_attention_ref(*p.args(), **p.kwargs()), dtype, what)
+    assert_close(out, dense_attention(p), dtype, what + " (independent dense attention)")
+
+
+def test_bias_kinds_equal_their_dense_form(rng):
+    """The same logits whichever way the bias arrives: ragged and T5 in-kernel vs the materialised dense bias."""
+    for kind in ("ragged", "t5-bidir"):
+        p = make_problem(rng, [700, 1, 129], num_heads=8, num_kv_heads=2, head_size=128, dtype="f32", bias=kind)
+        as_kind = run_cupy(p)
+        p.bias_kind = None  # now attn_bias is the dense form
+        np.testing.assert_allclose(as_kind, run_cupy(p), atol=2e-6, rtol=2e-6, err_msg=kind)
 
 
 def test_single_pass_and_split_k_agree(rng, monkeypatch):
@@ -245,6 +274,44 @@ def test_jax_bf16(rng):
         cpa.paged_attention(*args, **kwargs, out=args[0])
 
 
+def test_torch_bias_kinds_and_graph(rng):
+    """Ragged and T5 biases from torch tensors, eager and replayed from a CUDA graph (captured after a warm-up:
+    RelativePositionBias builds its bucket table when constructed, nothing is allocated at the call)."""
+    torch = pytest.importorskip("torch")
+    for kind in ("ragged-strided", "t5-causal"):
+        p = make_problem(rng, [300, 64, 5], num_heads=8, num_kv_heads=2, head_size=64, dtype="bf16", bias=kind,
+                         bias_dtype="bf16")
+        args, kwargs = device_args(p, to_torch)
+        expected = paged_attention_ref(*p.args(), **p.kwargs())
+        assert_close(to_numpy(cpa.paged_attention(*args, **kwargs)), expected, "bf16", kind)
+        out = torch.full_like(args[0], float("nan"))
+        graph_stream = torch.cuda.Stream()
+        graph_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(graph_stream):
+            cpa.paged_attention(*args, **kwargs, out=out)
+        torch.cuda.current_stream().wait_stream(graph_stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            cpa.paged_attention(*args, **kwargs, out=out)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(to_numpy(out), expected, "bf16", kind + " graph")
+
+
+def test_jax_bias_kinds(rng):
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("jax has no GPU")
+    for kind in ("ragged", "t5-bidir"):
+        p = make_problem(rng, [1, 100, 17], num_heads=8, num_kv_heads=2, dtype="f16", bias=kind, bias_dtype="f32")
+        args, kwargs = device_args(p, lambda a: None if a is None else jnp.asarray(np.ascontiguousarray(a)))
+        result = cpa.paged_attention(*args, **kwargs)
+        assert isinstance(result, jax.Array)
+        assert_close(to_numpy(result), paged_attention_ref(*p.args(), **p.kwargs()), "f16", kind)
+
+
 def test_mixed_frameworks_rejected(rng):
     torch = pytest.importorskip("torch")
     p = make_problem(rng, [5], num_heads=4, num_kv_heads=4)
@@ -298,5 +365,25 @@ def test_hostile_block_ids_and_lengths_stay_in_bounds(rng, split):
     with pytest.raises(ValueError, match=r"seq_lens: sequence 1 has length -5, outside \[0, "):
         cpa.paged_attention(*args, **kwargs, validate=True)
     args[4] = to_cupy(p.seq_lens)
+    assert_close(to_numpy(cpa.paged_attention(*args, **kwargs, validate=True)),
+                 paged_attention_ref(*p.args(), **p.kwargs()), "f32")
+
+
+def test_hostile_ragged_offsets_stay_in_bounds(rng, split):
+    import cupy
+
+    p = make_problem(rng, [40, 30, 20, 10], num_heads=4, num_kv_heads=2, bias="ragged")
+    args, kwargs = device_args(p, to_cupy)
+    values, offsets = p.bias_kind.values, p.bias_kind.offsets.copy()
+    total = values.shape[0]
+    # Offsets before, inside and past values; then rows too short for their sequences.
+    for bad in (np.array([-50, 46, 2**31 - 1, total - 5, total], np.int32), np.array([3, 10, 80, 103, 116], np.int32)):
+        kwargs["attn_bias"] = cpa.RaggedBias(to_cupy(values), cupy.asarray(bad))
+        out = to_numpy(cpa.paged_attention(*args, **kwargs))  # an illegal access would raise here
+        if bad[0] < 0:
+            assert (out[0] == 0).all() and (out[2] == 0).all(), "a sequence with no rows reads nothing"
+        with pytest.raises(ValueError, match=r"attn_bias.offsets: sequence 0 has 40 keys but rows"):
+            cpa.paged_attention(*args, **kwargs, validate=True)
+    kwargs["attn_bias"] = cpa.RaggedBias(to_cupy(values), cupy.asarray(offsets))
     assert_close(to_numpy(cpa.paged_attention(*args, **kwargs, validate=True)),
                  paged_attention_ref(*p.args(), **p.kwargs()), "f32")

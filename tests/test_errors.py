@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from numpy.lib.stride_tricks import as_strided
 
-from cupy_paged_attn import paged_attention, reshape_and_cache
+from cupy_paged_attn import RaggedBias, RelativePositionBias, paged_attention, reshape_and_cache
 from cupy_paged_attn.reference import paged_attention_ref
 
 # The valid decode problem: GQA (2 query heads per KV head), one sequence of one key, one ending mid-page and one at
@@ -500,9 +500,68 @@ CACHE_ERRORS = [
                r"numpy, value_cache is dlpack", value_cache=lambda a: ForeignArray(a["value_cache"])),
 ]
 
+# Bias kinds: a RaggedBias over rows [0, 1), [1, 14), [14, 38) of 38, a RelativePositionBias with T5's geometry.
+OFFSETS = (0, 1, 14, 38)
+
+
+def ragged(values: Any = None, offsets: Any = None) -> Callable[[dict], RaggedBias]:
+    """A change of attn_bias to a RaggedBias: valid parts, or the given (functions of the valid values/offsets)."""
+    def build(args: dict) -> RaggedBias:
+        dtype = args["query"].dtype
+        good_values, good_offsets = rand((OFFSETS[-1], NUM_HEADS), dtype), np.array(OFFSETS, np.int32)
+        return RaggedBias(good_values if values is None else values(good_values),
+                          good_offsets if offsets is None else offsets(good_offsets))
+    return build
+
+
+def t5(table: Callable[[np.ndarray], Any] = lambda t: t) -> Callable[[dict], RelativePositionBias]:
+    return lambda args: RelativePositionBias(table(rand((32, NUM_HEADS))), num_buckets=32, max_distance=128)
+
+
+DECODE_BIAS_KIND_ERRORS = [
+    decode_case("ragged-values-1d", ValueError, r"attn_bias.values: expected a 2-D array \[total, num_heads\]",
+                attn_bias=ragged(values=lambda v: v[:, 0])),
+    decode_case("ragged-values-heads", ValueError, r"attn_bias.values: expected shape \(total, num_heads=4\), "
+                r"got \(38, 2\)", attn_bias=ragged(values=lambda v: v[:, :2])),
+    decode_case("ragged-values-int", ValueError, r"attn_bias.values: expected dtype float32, float16 or bfloat16, "
+                r"got int32", attn_bias=ragged(values=lambda v: v.astype(np.int32))),
+    decode_case("ragged-values-list", TypeError, rf"attn_bias.values: {NOT_AN_ARRAY_MSG}builtins\.list",
+                attn_bias=ragged(values=lambda v: v.tolist())),
+    decode_case("ragged-values-foreign", TypeError, r"attn_bias.values: all arrays must come from one framework; "
+                r"query is numpy, attn_bias.values is dlpack", attn_bias=ragged(values=ForeignArray)),
+    decode_case("ragged-offsets-short", ValueError, r"attn_bias.offsets: expected shape \(4,\) \[num_seqs \+ 1\], "
+                r"got \(3,\)", attn_bias=ragged(offsets=lambda o: o[:3])),
+    decode_case("ragged-offsets-int64", ValueError, r"attn_bias.offsets: expected dtype int32, got int64",
+                attn_bias=ragged(offsets=lambda o: o.astype(np.int64))),
+    decode_case("ragged-offsets-none", TypeError, rf"attn_bias.offsets: {NOT_AN_ARRAY_MSG}None",
+                attn_bias=ragged(offsets=lambda o: None)),
+    decode_case("ragged-rows-too-few", ValueError, r"attn_bias.offsets: sequence 2 has 24 keys but rows \[14, 37\) "
+                r"of values \(total 38\)", attn_bias=ragged(offsets=lambda o: replaced(o, 3, 37))),
+    decode_case("ragged-rows-negative", ValueError, r"attn_bias.offsets: sequence 0 has 1 keys but rows \[-1, 1\)",
+                attn_bias=ragged(offsets=lambda o: replaced(o, 0, -1))),
+    decode_case("ragged-rows-past-values", ValueError, r"attn_bias.offsets: sequence 2 has 24 keys but rows "
+                r"\[20, 50\) of values \(total 38\)", attn_bias=ragged(offsets=lambda o: np.array([0, 1, 20, 50],
+                                                                                              np.int32))),
+    decode_case("t5-table-heads", ValueError, r"attn_bias.table: expected shape \(32, 4\) \[num_buckets, "
+                r"num_heads\], got \(32, 2\)", attn_bias=t5(lambda t: t[:, :2])),
+    decode_case("t5-table-int", ValueError, r"attn_bias.table: expected dtype float32, float16 or bfloat16, got "
+                r"int32", attn_bias=t5(lambda t: (t * 8).astype(np.int32))),
+    decode_case("t5-table-foreign", TypeError, r"attn_bias.table: all arrays must come from one framework",
+                attn_bias=lambda a: _foreign_t5()),
+]
+
+
+def _foreign_t5() -> RelativePositionBias:
+    """A T5 bias whose table is of a framework the rest of the call is not."""
+    bias = RelativePositionBias(rand((32, NUM_HEADS)))
+    bias.table = ForeignArray(bias.table)
+    return bias
+
+
 ALL_ERRORS = [
     *DECODE_RANK_ERRORS, *DECODE_DTYPE_ERRORS, *DECODE_SHAPE_ERRORS, *DECODE_CACHE_MEMORY_ERRORS,
     *DECODE_OPTION_ERRORS, *DECODE_KIND_ERRORS, *DECODE_UNSUPPORTED, *DECODE_DATA_ERRORS, *CACHE_ERRORS,
+    *DECODE_BIAS_KIND_ERRORS,
 ]
 
 
@@ -544,9 +603,9 @@ def test_rejects(function, base, changes, exc, match):
 @pytest.mark.parametrize(CASE_FIELDS, ALL_ERRORS)
 def test_message_starts_with_argument_name(function, base, changes, exc, match):
     """Every message (each ValueError, and the TypeErrors and NotImplementedErrors too) starts with the name of one
-    of the function's parameters: ``"<argument>: "``."""
+    of the function's parameters, or a part of one (``attn_bias.offsets``): ``"<argument>: "``."""
     name = match.partition(":")[0]
-    assert name in inspect.signature(function).parameters
+    assert name.partition(".")[0] in inspect.signature(function).parameters
     with pytest.raises(exc) as info:
         call(function, base, changes)
     assert str(info.value).startswith(f"{name}: ")

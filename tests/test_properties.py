@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import BIAS_KINDS as BIAS_OBJECTS
 from helpers import assert_close, dense_attention, make_problem
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,7 +15,8 @@ from hypothesis import strategies as st
 import cupy_paged_attn as cpa
 from cupy_paged_attn.reference import paged_attention_ref, to_numpy
 
-BIAS_KINDS = ["none", "dense", "broadcast-seq", "broadcast-head", "strided"]
+#: Every way a bias arrives: none, dense arrays laid out four ways, ragged, T5 in-kernel.
+BIAS_KINDS = ["none", "dense", "broadcast-seq", "broadcast-head", "strided", *BIAS_OBJECTS]
 
 
 @st.composite

@@ -6,6 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
+from helpers import BIAS_KINDS as BIAS_OBJECTS
 from helpers import DTYPES, assert_close, dense_attention, make_problem
 
 import cupy_paged_attn as cpa
@@ -22,6 +23,18 @@ def test_reference_matches_dense(rng, heads, bias, layout):
     p = make_problem(rng, SEQ_LENS, num_heads=heads[0], num_kv_heads=heads[1], bias=bias, kv_layout=layout,
                      alibi=bias == "dense")
     np.testing.assert_allclose(paged_attention_ref(*p.args(), **p.kwargs()), dense_attention(p), atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", BIAS_OBJECTS)
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_bias_kinds_match_dense(rng, kind, dtype):
+    """RaggedBias (NaN in the gaps between sequences) and RelativePositionBias, through the public NumPy path, vs
+    the independent dense attention with the bias materialised by the test helpers."""
+    p = make_problem(rng, SEQ_LENS, num_heads=4, num_kv_heads=2, dtype=dtype, bias=kind, bias_dtype=dtype,
+                     alibi=True)
+    expected = dense_attention(p)
+    np.testing.assert_allclose(paged_attention_ref(*p.args(), **p.kwargs()), expected, atol=1e-12)
+    assert_close(cpa.paged_attention(*p.args(), **p.kwargs()), expected, dtype)
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])

@@ -1,6 +1,7 @@
 """Representative launches of every kernel family, small enough for compute-sanitizer, each checked against the
 reference: MHA and GQA, single-pass and split-K, both layouts, dense and broadcast bias, ALiBi, ragged and empty
-sequences, and hostile device data (block ids outside the cache, negative and huge seq_lens, slots past the cache).
+sequences, ragged and T5 biases, and hostile device data (block ids outside the cache, negative and huge seq_lens,
+ragged-bias offsets outside their rows, slots past the cache).
 
 Run through tests/gpu/sanitize.sh (or alone: ``PYTHONPATH=.:tests python3 tests/gpu/sanitize_cases.py``).
 """
@@ -28,6 +29,11 @@ CASES = [  # (name, make_problem keywords, force split-K)
     ("mqa-bf16-d256-b1-split", dict(seq_lens=[70, 2], num_heads=8, num_kv_heads=1, head_size=256, block_size=1,
                                     dtype="bf16"), True),
     ("f32-d192-vllm", dict(seq_lens=[20], num_heads=2, num_kv_heads=1, head_size=192, kv_layout="vllm"), False),
+    ("ragged-strided-bf16-gqa4-split", dict(seq_lens=[300, 0, 7], num_heads=8, num_kv_heads=2, dtype="bf16",
+                                            bias="ragged-strided", bias_dtype="bf16"), True),
+    ("t5-bidir-f16-d64", dict(seq_lens=[200, 1], num_heads=4, num_kv_heads=4, dtype="f16", bias="t5-bidir",
+                              bias_dtype="f32", alibi=True), False),
+    ("t5-causal-f32-split", dict(seq_lens=[260], num_heads=4, num_kv_heads=1, bias="t5-causal"), True),
 ]
 
 
@@ -51,6 +57,12 @@ def hostile(rng: np.random.Generator) -> None:
         args[3] = cupy.asarray(tables)
         args[4] = cupy.asarray(np.array([40, -5, 10**9, 2**31 - 1], np.int32))
         cpa.paged_attention(*args, **kw)
+        r = make_problem(rng, [40, 30, 20, 10], num_heads=4, num_kv_heads=2, bias="ragged")
+        args, kw = device_args(r, to_cupy)
+        total = r.bias_kind.values.shape[0]
+        for offsets in ([-50, 46, 2**31 - 1, total - 5, total], [3, 10, 80, 103, 2**31 - 1]):
+            kw["attn_bias"] = cpa.RaggedBias(to_cupy(r.bias_kind.values), cupy.asarray(np.array(offsets, np.int32)))
+            cpa.paged_attention(*args, **kw)
     key = cupy.asarray(rng.standard_normal((4, 2, 64)).astype(np.float16))
     k_cache = cupy.asarray(rng.standard_normal((3, 16, 2, 64)).astype(np.float16))
     v_cache = k_cache.copy()
