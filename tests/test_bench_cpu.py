@@ -1,0 +1,170 @@
+"""CPU: ``benchmarks/bench_decode.py`` without a GPU: the dry run, the command line, the floor bytes and the report
+(from made-up times), so that a mistake there shows here rather than at the end of a GPU run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = REPO_ROOT / "benchmarks" / "bench_decode.py"
+ALL_API = {"RaggedBias": True, "RelativePositionBias": True}
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_decode", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_decode"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["bench_decode"]
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60, env=env,
+                          cwd=REPO_ROOT)
+
+
+def test_dry_run_prints_every_case_and_floor(bench):
+    result = run_script("--dry-run")
+    assert result.returncode == 0, result.stderr
+    for case in bench.CASES:
+        assert case.name in result.stdout
+    assert "rows per case: ours, ours+dense" in result.stdout
+    assert "sdpa, flex, flex-nobias" in result.stdout
+    assert "floors at 4270 GB/s" in result.stdout
+
+
+def test_dry_run_selection(bench):
+    result = run_script("--dry-run", "--cases", "6,8", "--peers", "none", "--copy-gbps", "1000")
+    assert result.returncode == 0, result.stderr
+    assert bench.CASES[6].name in result.stdout and bench.CASES[8].name in result.stdout
+    assert bench.CASES[0].name not in result.stdout
+    assert "sdpa" not in result.stdout and "flex" not in result.stdout
+    assert "floors at 1000 GB/s" in result.stdout
+
+
+@pytest.mark.parametrize("args", [["--peers", "sdpa,bogus"], ["--cases", "9"], ["--sets", "1"]])
+def test_bad_options_exit_2(args):
+    result = run_script("--dry-run", *args)
+    assert result.returncode == 2
+    assert "error:" in result.stderr
+
+
+def test_cases_and_sets(bench):
+    assert len(bench.CASES) == 9
+    long_cases = [(c.batch, c.num_heads, c.num_kv_heads, c.head_size, c.max_len) for c in bench.CASES[6:]]
+    assert long_cases == [(1, 32, 8, 128, 65536), (4, 32, 8, 128, 32768), (8, 16, 16, 64, 131072)]
+    assert bench.CASES[8].min_len is not None, "the longest case is ragged"
+    assert [c.num_sets(4) for c in bench.CASES] == [4] * 6 + [2] * 3
+    assert len({c.name for c in bench.CASES}) == 9
+
+
+def test_floor_bytes(bench):
+    case = bench.CASES[0]  # B64 H16/16 d64 L2048 bf16
+    lens = bench.draw_seq_lens(case, 0)
+    kv = 64 * 2048 * 16 * 64 * 2 * 2
+    q_out = 2 * 64 * 16 * 64 * 2
+    tables = 4 * 64 * 2048 // 16 + 4 * 64
+    assert bench.floor_bytes(case, lens, "none") == kv + q_out + tables
+    assert bench.floor_bytes(case, lens, "dense") == kv + q_out + tables + 64 * 16 * 2048 * 2
+    assert bench.floor_bytes(case, lens, "ragged") == bench.floor_bytes(case, lens, "dense")
+    assert bench.floor_bytes(case, lens, "t5") == bench.floor_bytes(case, lens, "none")
+
+
+def test_ragged_lengths_are_seeded_and_in_range(bench):
+    case = bench.CASES[8]
+    lens = bench.draw_seq_lens(case, 8)
+    assert lens == bench.draw_seq_lens(case, 8)
+    assert len(lens) == case.batch and all(case.min_len <= n <= case.max_len for n in lens)
+
+
+def test_planned_rows(bench):
+    all_rows = [impl for impl, _ in bench.planned_impls(["sdpa", "flex", "flex-nobias"], ALL_API)]
+    assert all_rows == ["ours", "ours+dense", "ours+ragged", "ours+t5", "sdpa", "flex", "flex-nobias"]
+    without_api = bench.planned_impls([], dict.fromkeys(ALL_API, False))
+    assert without_api == [("ours", "none"), ("ours+dense", "dense")]
+    assert bench.parse_peers("none") == [] and bench.parse_peers("flex,sdpa") == ["sdpa", "flex"]
+
+
+def made_up_results(bench):
+    """Timings of two cases as a run would leave them: graph and eager times, a failure, an OOM, a bad check."""
+    T = bench.Timing
+    results = []
+    for index in (0, 8):
+        case = bench.CASES[index]
+        lens = bench.draw_seq_lens(case, index)
+
+        def floor(kind, case=case, lens=lens):
+            return bench.floor_bytes(case, lens, kind)
+
+        timings = [
+            T("ours", "none", floor("none"), 150.0, 140.0),
+            T("ours+dense", "dense", floor("dense"), 160.0, 150.0),
+            T("ours+ragged", "ragged", floor("ragged"), 165.0, None, graph_error="capture failed: X",
+              check_against="ours+dense", max_abs_diff=0.0, tolerance=2e-2),
+            T("ours+t5", "t5", floor("t5"), skipped="FAILED: ValueError: no"),
+            T("sdpa", "dense", floor("dense"), skipped="skipped (OOM)") if index == 8 else
+            T("sdpa", "dense", floor("dense"), 450.0, 420.0, check_against="ours+dense", max_abs_diff=1e-3,
+              tolerance=2e-2),
+            T("flex", "dense", floor("dense"), 200.0, 180.0, setup_s=9.0, check_against="ours+dense",
+              max_abs_diff=float("nan"), tolerance=2e-2),
+            T("flex-nobias", "none", floor("none"), 190.0, 175.0, check_against="ours", max_abs_diff=0.0,
+              tolerance=2e-2),
+        ]
+        results.append({"name": case.name, "timings": timings})
+    return results
+
+
+def test_rows_and_report(bench, capsys):
+    table = bench.rows(made_up_results(bench), 4.0e12)
+    by = {(r["case"], r["impl"]): r for r in table}
+    first = bench.CASES[0].name
+    assert by[(first, "sdpa")]["speedup"] == pytest.approx(420.0 / 150.0)
+    assert by[(first, "sdpa")]["speedup_via"] == "graph"
+    assert by[(first, "flex-nobias")]["speedup"] == pytest.approx(175.0 / 140.0)
+    assert by[(first, "ours+ragged")]["via"] == "eager" and by[(first, "ours+ragged")]["us"] == 165.0
+    assert by[(first, "ours+dense")]["pct_copy"] == pytest.approx(
+        100 * by[(first, "ours+dense")]["bytes"] / 150e-6 / 4.0e12)
+    assert by[(first, "flex")]["check_ok"] is False  # NaN never passes
+    assert by[(bench.CASES[8].name, "sdpa")]["speedup"] is None
+    assert by[(first, "ours+t5")]["us"] is None
+
+    env = {"device": "GPU", "sm_count": 1, "torch": "t", "cupy": "c", "date": "d"}
+    bench.print_report(table, {"bytes_per_s": 4.0e12}, env)
+    out = capsys.readouterr().out
+    assert "skipped (OOM)" in out and "FAILED: ValueError: no" in out
+    assert "WARNING" in out and "flex" in out
+    assert out.rstrip().splitlines()[-1].startswith(bench.CASES[8].name), "the speed-ups per case come last"
+    json.dumps(table)  # JSON-ready
+
+
+def test_plot_or_reason(bench, tmp_path):
+    table = bench.rows(made_up_results(bench), 4.0e12)
+    path = tmp_path / "decode.png"
+    why_not = bench.plot(table, str(path), "title")
+    if why_not is None:
+        assert path.stat().st_size > 0
+    else:
+        assert "matplotlib" in why_not and not path.exists()
+
+
+def test_json_record(bench, tmp_path):
+    args = bench.parse_args(["--cases", "0,8", "--peers", "sdpa,flex"])
+    copy = {"bytes": 2, "us": 1.0, "bytes_per_s": 4.0e12}
+    path = bench.write_json(str(tmp_path / "out"), {"device": "GPU"}, args, copy, made_up_results(bench), None)
+    record = json.loads(Path(path).read_text())
+    assert record["args"]["cases"] == [0, 8] and record["args"]["peers"] == ["sdpa", "flex"]
+    assert len(record["cases"]) == 2 and len(record["table"]) == 14
+    ours_dense = record["cases"][0]["timings"][1]
+    assert ours_dense["impl"] == "ours+dense" and ours_dense["us"] == 150.0  # the graph time
+    assert not list((tmp_path / "out").glob("*.tmp"))
