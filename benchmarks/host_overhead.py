@@ -1,4 +1,5 @@
-"""Host cost of one ``paged_attention`` call with torch tensors in and out (the latency case of bench_decode).
+"""Host cost of one ``paged_attention`` call, and of one ``DecodePlan.run``, with torch tensors in and out (the
+latency case of bench_decode).
 
 Run on a GPU machine: ``PYTHONPATH=. python3 benchmarks/host_overhead.py [--calls 2000] [--profile]``.
 Times each call on the host alone (``time.perf_counter`` around the call, no synchronisation inside the loop) and
@@ -34,27 +35,39 @@ def main() -> None:
     bias = torch.randn(batch, heads, length, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
 
-    variants = {"no bias": {}, "dense bias": {"attn_bias": bias}, "dense bias, out=": {"attn_bias": bias, "out": out}}
-    for label, kwargs in variants.items():
+    t5 = cpa.RelativePositionBias(torch.randn(32, heads, device="cuda", dtype=torch.bfloat16))
+    plan = cpa.DecodePlan(q, k, v, tables, lens, attn_bias=bias)
+    plan_none = cpa.DecodePlan(q, k, v, tables, lens)
+    plan_t5 = cpa.DecodePlan(q, k, v, tables, lens, attn_bias=t5)
+    variants = {
+        "paged_attention, no bias": (cpa.paged_attention, {}),
+        "paged_attention, dense bias": (cpa.paged_attention, {"attn_bias": bias}),
+        "paged_attention, dense, out=": (cpa.paged_attention, {"attn_bias": bias, "out": out}),
+        "plan.run, no bias, out=": (plan_none.run, {"out": out}),
+        "plan.run, dense bias": (plan.run, {"attn_bias": bias}),
+        "plan.run, dense bias, out=": (plan.run, {"attn_bias": bias, "out": out}),
+        "plan.run, T5 bias, out=": (plan_t5.run, {"attn_bias": t5, "out": out}),
+    }
+    for label, (call, kwargs) in variants.items():
         for _ in range(50):
-            cpa.paged_attention(q, k, v, tables, lens, **kwargs)
+            call(q, k, v, tables, lens, **kwargs)
         torch.cuda.synchronize()
         times = []
         for _ in range(args.calls):
             t0 = time.perf_counter()
-            cpa.paged_attention(q, k, v, tables, lens, **kwargs)
+            call(q, k, v, tables, lens, **kwargs)
             times.append(time.perf_counter() - t0)
             if len(times) % 200 == 0:
                 torch.cuda.synchronize()  # keep the launch queue short
         torch.cuda.synchronize()
-        print(f"host time per call, {label:18s}: median {statistics.median(times) * 1e6:7.1f} us "
+        print(f"host time per call, {label:30s}: median {statistics.median(times) * 1e6:7.1f} us "
               f"(p10 {sorted(times)[len(times) // 10] * 1e6:.1f}, p90 {sorted(times)[9 * len(times) // 10] * 1e6:.1f})")
 
     if args.profile:
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(500):
-            cpa.paged_attention(q, k, v, tables, lens, attn_bias=bias)
+            plan.run(q, k, v, tables, lens, attn_bias=bias, out=out)
         profiler.disable()
         torch.cuda.synchronize()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(18)

@@ -7,9 +7,10 @@ reference), and answers in the caller's own type.
 from . import reference
 from .bias import RaggedBias, RelativePositionBias, alibi_slopes, t5_position_bias, t5_relative_position_bucket
 from .cache import reshape_and_cache
-from .decode import paged_attention
+from .decode import DecodePlan, paged_attention
 
 __all__ = [
+    "DecodePlan",
     "RaggedBias",
     "RelativePositionBias",
     "alibi_slopes",

@@ -339,11 +339,7 @@ def check_decode(
         check_shape("alibi_slopes", alibi_slopes, (num_heads,), "[num_heads]")
         check_dtype("alibi_slopes", alibi_slopes, (np.float32,))
     if out is not None:
-        check_shape("out", out, tuple(query.shape), q_dims + " (the query's shape)")
-        if np.dtype(out.dtype) != np.dtype(query.dtype):
-            raise ValueError(f"out: expected dtype {query.dtype} (the query's), got {out.dtype}")
-        if out.strides[2] != out.dtype.itemsize:
-            raise ValueError(f"out: the last dimension must be contiguous, got strides {element_strides(out)}")
+        check_out(out, query)
 
     return DecodeProblem(
         query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables, seq_lens=seq_lens,
@@ -352,6 +348,15 @@ def check_decode(
         cache=cache, max_blocks_per_seq=max_blocks, max_len=max_len, scale=check_scale(scale, head_size),
         kv_layout=layout, dtype=dtype,
     )
+
+
+def check_out(out: Any, query: Any) -> None:
+    """``out`` (wrapped) can take the result: the query's shape and dtype, last dimension contiguous."""
+    check_shape("out", out, tuple(query.shape), "[num_seqs, num_heads, head_size] (the query's shape)")
+    if np.dtype(out.dtype) != np.dtype(query.dtype):
+        raise ValueError(f"out: expected dtype {query.dtype} (the query's), got {out.dtype}")
+    if out.strides[-1] != out.dtype.itemsize:
+        raise ValueError(f"out: the last dimension must be contiguous, got strides {element_strides(out)}")
 
 
 def check_host_data(problem: DecodeProblem) -> None:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from typing import Any
 
 import numpy as np
 
 from . import _checks, _compile, _interop, reference
 
-__all__ = ["paged_attention"]
+__all__ = ["DecodePlan", "paged_attention"]
 
 _THREADS = 256  # kDecodeThreads in paged_decode.cu
 _REDUCE_THREADS = 128  # kReduceThreads
@@ -54,7 +55,7 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int) -> DecodeLaunch:
     chunks = -(-p.group_size // hg)
     ctas = p.num_seqs * p.num_kv_heads * chunks
     parts = 1
-    if ctas < _SPLIT_BELOW_CTAS_PER_SM * num_sms:
+    if 0 < ctas < _SPLIT_BELOW_CTAS_PER_SM * num_sms:
         parts = min(-(-_CTAS_PER_SM_TARGET * num_sms // ctas), max(1, -(-p.max_len // _MIN_PART_TOKENS)))
     per_part = -(-p.max_len // parts)
     tokens_per_part = max(_TILE_MULTIPLE, -(-per_part // _TILE_MULTIPLE) * _TILE_MULTIPLE)
@@ -63,46 +64,327 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int) -> DecodeLaunch:
     return DecodeLaunch(spec, (p.num_seqs, p.num_kv_heads * chunks, parts), tokens_per_part, parts)
 
 
-def _launch(problem: _checks.DecodeProblem, launch: DecodeLaunch, out: Any, workspace: tuple[Any, Any] | None,
-            stream: Any, device: int) -> None:
-    p = problem
-    kernel, reduce_kernel = _compile.get_decode_kernels(launch.spec, device, _STAGE_BYTES)
-    ptr = _interop.kernel_arg
-    null = np.uint64(0)
-    q = _interop.unit_last_stride(p.query)
-    tables = _interop.unit_last_stride(p.block_tables)
-    seq_lens = ptr(_interop.unit_last_stride(p.seq_lens))
-    alibi = null if p.alibi_slopes is None else ptr(_interop.unit_last_stride(p.alibi_slopes))
-    bias = p.bias
-    if bias.index is not None:
-        bias = dataclasses.replace(bias, index=_interop.unit_last_stride(bias.index))
-    q_strides = _checks.element_strides(q)
-    out_strides = _checks.element_strides(out)
-    part_acc, part_ml = (ptr(workspace[0]), ptr(workspace[1])) if workspace is not None else (null, null)
-    i64, i32 = np.int64, np.int32
-    kernel(
-        launch.grid, (_THREADS,),
-        (
-            ptr(out), i64(out_strides[0]), i64(out_strides[1]), part_acc, part_ml,
-            ptr(q), i64(q_strides[0]), i64(q_strides[1]),
-            ptr(p.key_cache), ptr(p.value_cache), i64(p.cache.block_stride), i32(p.cache.num_blocks),
-            i32(p.cache.block_size.bit_length() - 1), i32(p.num_kv_heads),
-            ptr(tables), i64(_checks.element_strides(tables)[0]), seq_lens, i32(p.max_len),
-            *bias.kernel_args(), alibi,
-            np.float32(p.scale), i32(p.group_size), i32(launch.tokens_per_part), i32(launch.num_parts),
-        ),
-        stream=stream,
-        shared_mem=_STAGE_BYTES,
+# ---------------------------------------------------------------------------------------------------------------
+# Launching: arguments packed once, each launch a cuLaunchKernel
+# ---------------------------------------------------------------------------------------------------------------
+class _PackedArgs:
+    """Kernel arguments in the form ``cuLaunchKernel`` reads: one 8-byte slot per argument and the array of the
+    slots' addresses. A launch then converts nothing (a CuPy ``RawKernel`` call converts every argument on every
+    call); changing an argument is one NumPy item write."""
+
+    def __init__(self, named: list[tuple[str, np.generic]]) -> None:
+        self.slots = np.zeros(max(len(named), 1), np.uint64)
+        self._typed = {
+            np.dtype(np.uint64): (self.slots, 1), np.dtype(np.int64): (self.slots.view(np.int64), 1),
+            np.dtype(np.int32): (self.slots.view(np.int32), 2), np.dtype(np.float32): (self.slots.view(np.float32), 2),
+        }
+        self.addresses = self.slots.ctypes.data + 8 * np.arange(len(named), dtype=np.uint64)
+        self.index = {name: i for i, (name, _) in enumerate(named)}
+        for name, value in named:
+            self.set(name, value)
+
+    def set(self, name: str, value: np.generic) -> None:
+        view, step = self._typed[value.dtype]
+        view[self.index[name] * step] = value  # a 4-byte argument sits in the low half of its slot
+
+    def set_pointer(self, name: str, ptr: int) -> None:
+        self.slots[self.index[name]] = ptr
+
+    def launch(self, function: int, grid: tuple[int, int, int], threads: int, shared_mem: int, stream: int) -> None:
+        """``cuLaunchKernel`` of ``function`` (a ``CUfunction`` of the current device) with these arguments."""
+        from cupy_backends.cuda.api import driver
+
+        driver.launchKernel(function, *grid, threads, 1, 1, shared_mem, stream, self.addresses.ctypes.data, 0)
+
+
+def _decode_arguments(p: _checks.DecodeProblem, launch: DecodeLaunch) -> list[tuple[str, np.generic]]:
+    """paged_decode's parameters in order, named by the operand they come from (pointers and the out strides are
+    set per launch)."""
+    i64, i32, null = np.int64, np.int32, np.uint64(0)
+    q_strides = _kernel_strides(p.query)
+    bias = p.bias.kernel_args()
+    return [
+        ("out", null), ("out.stride_s", i64(0)), ("out.stride_h", i64(0)), ("part_acc", null), ("part_ml", null),
+        ("query", null), ("query.stride_s", i64(q_strides[0])), ("query.stride_h", i64(q_strides[1])),
+        ("key_cache", null), ("value_cache", null), ("block_stride", i64(p.cache.block_stride)),
+        ("num_blocks", i32(p.cache.num_blocks)), ("block_shift", i32(p.cache.block_size.bit_length() - 1)),
+        ("num_kv_heads", i32(p.num_kv_heads)),
+        ("block_tables", null), ("block_tables.stride", i64(_kernel_strides(p.block_tables)[0])),
+        ("seq_lens", null), ("max_len", i32(p.max_len)),
+        ("bias", null), ("bias.index", null), *((f"bias.stride{i}", v) for i, v in enumerate(bias[2:6])),
+        ("bias.dtype", bias[6]), ("bias.n", bias[7]), ("bias.m", bias[8]),
+        ("alibi_slopes", null), ("scale", np.float32(p.scale)), ("group_size", i32(p.group_size)),
+        ("tokens_per_part", i32(launch.tokens_per_part)), ("num_parts", i32(launch.num_parts)),
+    ]
+
+
+def _kernel_strides(arr: Any) -> tuple[int, ...]:
+    """Element strides of ``arr`` as the kernel sees it: its own, or a contiguous copy's if its last stride is not 1
+    (such operands are copied before each launch)."""
+    strides = _checks.element_strides(arr)
+    if not strides or strides[-1] == 1:
+        return strides
+    return tuple(int(np.prod(arr.shape[i + 1:])) for i in range(len(arr.shape)))
+
+
+def _reduce_arguments(p: _checks.DecodeProblem, launch: DecodeLaunch) -> list[tuple[str, np.generic]]:
+    i64, i32, null = np.int64, np.int32, np.uint64(0)
+    return [
+        ("out", null), ("out.stride_s", i64(0)), ("out.stride_h", i64(0)), ("part_acc", null), ("part_ml", null),
+        ("seq_lens", null), ("max_len", i32(p.max_len)), ("num_heads", i32(p.num_heads)),
+        ("tokens_per_part", i32(launch.tokens_per_part)), ("num_parts", i32(launch.num_parts)),
+    ]
+
+
+#: The kernel parameter each operand's address goes to (a bias kind's arrays by their names in bias_operands).
+_POINTER_PARAMS = {
+    "query": "query", "key_cache": "key_cache", "value_cache": "value_cache", "block_tables": "block_tables",
+    "seq_lens": "seq_lens", "alibi_slopes": "alibi_slopes", "attn_bias": "bias", "attn_bias.values": "bias",
+    "attn_bias.table": "bias", "attn_bias.offsets": "bias.index", "attn_bias.buckets": "bias.index",
+}
+#: Operands the kernels read with unit last stride (a strided one is copied first).
+_UNIT_STRIDE = ("query", "block_tables", "seq_lens", "alibi_slopes", "attn_bias.offsets", "attn_bias.buckets")
+
+
+class DecodePlan:
+    """:func:`paged_attention` for repeated calls with the same shapes: everything decided once.
+
+    The constructor takes example arrays (the arguments of :func:`paged_attention`), checks them as
+    :func:`paged_attention` does, compiles or fetches the kernel, chooses the split and allocates the split-K
+    workspace. :meth:`run` then takes arrays of the same dtypes, shapes, strides and device (any data, any
+    addresses), compares those cheaply and launches: no allocation (with ``out=``), no host synchronisation, no read
+    of device data. :func:`paged_attention` is this class used once.
+
+    A plan owns one workspace: run it on one stream at a time (one plan per stream or thread). CUDA-graph capture
+    of :meth:`run` works (build the plan before the capture). PyTorch and CuPy arrays take the fast path; JAX arrays
+    are imported through DLPack on every run.
+
+    Parameters
+    ----------
+    query, key_cache, value_cache, block_tables, seq_lens, scale, attn_bias, alibi_slopes, kv_layout
+        As in :func:`paged_attention`. ``scale``, ``kv_layout``, the bias kind (with a RelativePositionBias's
+        geometry) and whether ALiBi is used are fixed by the plan.
+
+    Raises
+    ------
+    TypeError, ValueError, NotImplementedError, RuntimeError
+        As :func:`paged_attention`; NumPy arrays raise TypeError (the CPU path has nothing to plan).
+    """
+
+    def __init__(
+        self,
+        query: Any,
+        key_cache: Any,
+        value_cache: Any,
+        block_tables: Any,
+        seq_lens: Any,
+        *,
+        scale: float | None = None,
+        attn_bias: Any = None,
+        alibi_slopes: Any = None,
+        kv_layout: str = "nhd",
+    ) -> None:
+        named = _operands(query, key_cache, value_cache, block_tables, seq_lens, attn_bias, alibi_slopes)
+        framework = _interop.common_framework(named, optional=("attn_bias", "alibi_slopes"))
+        if framework == "numpy":
+            raise TypeError("query: a DecodePlan launches GPU kernels; NumPy arrays run through paged_attention")
+        device = _interop.device_of("query", query, framework)
+        with _interop.launch_context(framework, device, None) as stream:
+            arr = _interop.wrap_all(named, framework)
+            problem = _checks.check_decode(
+                arr["query"], arr["key_cache"], arr["value_cache"], arr["block_tables"], arr["seq_lens"],
+                scale=scale, attn_bias=attn_bias, alibi_slopes=arr.get("alibi_slopes"), kv_layout=kv_layout,
+                out=None, bias_arrays=_bias_arrays(arr),
+            )
+            self._setup(problem, framework, device, query, stream)
+        # What run() compares: the caller's torch / CuPy arrays as they are, other frameworks' once imported.
+        self._native = framework in ("torch", "cupy")
+        kind = framework if self._native else "cupy"
+        self._bias_type = type(attn_bias)
+        self._signatures = {
+            name: _interop.signature(x if self._native else arr[name], kind)
+            for name, x in named.items() if x is not None
+        }
+
+    @classmethod
+    def _for_problem(cls, problem: _checks.DecodeProblem, framework: str, device: int, like: Any,
+                     stream: Any) -> DecodePlan:
+        """A plan for a problem already checked (paged_attention's one-off use)."""
+        plan = cls.__new__(cls)
+        plan._setup(problem, framework, device, like, stream)
+        return plan
+
+    def _setup(self, problem: _checks.DecodeProblem, framework: str, device: int, like: Any, stream: Any) -> None:
+        """Everything but the operands' addresses: kernel, split, workspace, packed arguments."""
+        self._problem = problem
+        self._framework = framework
+        self._out_dtype = _interop.signature(like, framework)[0] if framework in ("torch", "cupy") else None
+        self._device = device
+        self._launch = plan_decode(problem, _num_sms(device))
+        kernel, reduce_kernel = _compile.get_decode_kernels(self._launch.spec, device, _STAGE_BYTES)
+        with _interop.on_device(device):  # CuPy holds a CUfunction per device
+            self._function, self._reduce_function = kernel.kernel.ptr, reduce_kernel.kernel.ptr
+        self._args = _PackedArgs(_decode_arguments(problem, self._launch))
+        self._reduce_args = _PackedArgs(_reduce_arguments(problem, self._launch))
+        self._workspace = None
+        self._copies: list[Any] = []  # contiguous copies of operands made for the last launch
+        if self._launch.num_parts > 1:
+            rows = problem.num_seqs * problem.num_heads * self._launch.num_parts
+            self._workspace = (
+                _interop.empty(framework, (rows, problem.head_size), np.float32, like, stream)[1],
+                _interop.empty(framework, (rows, 2), np.float32, like, stream)[1],
+            )
+            for args in (self._args, self._reduce_args):
+                args.set_pointer("part_acc", _interop.data_ptr(self._workspace[0]))
+                args.set_pointer("part_ml", _interop.data_ptr(self._workspace[1]))
+
+    @property
+    def launch(self) -> DecodeLaunch:
+        """The kernel specialisation, grid and split chosen."""
+        return self._launch
+
+    def run(
+        self,
+        query: Any,
+        key_cache: Any,
+        value_cache: Any,
+        block_tables: Any,
+        seq_lens: Any,
+        *,
+        attn_bias: Any = None,
+        alibi_slopes: Any = None,
+        out: Any = None,
+        stream: Any = None,
+    ) -> Any:
+        """Attention for arrays like the plan's; returns ``out``, or a new array in the query's framework.
+
+        Each array must match the one the plan was built from in dtype, shape, strides and device; ``attn_bias``
+        must be of the same kind (its arrays matching likewise) and ``alibi_slopes`` given iff it was. ``out`` is
+        like ``query`` (last dimension contiguous, other strides free). ``stream`` as in :func:`paged_attention`.
+        Raises ValueError naming the first argument that does not match; TypeError for ``out`` with JAX arrays.
+        """
+        named = _operands(query, key_cache, value_cache, block_tables, seq_lens, attn_bias, alibi_slopes)
+        if type(attn_bias) is not self._bias_type:
+            raise ValueError(f"attn_bias: the plan was built for a bias of type {self._bias_type.__name__}, got "
+                             f"{type(attn_bias).__name__}")
+        if (alibi_slopes is None) != ("alibi_slopes" not in self._signatures):
+            raise ValueError("alibi_slopes: expected " + ("an array" if alibi_slopes is None else "None") +
+                             " like the plan's")
+        if self._native:
+            with _interop.on_device(self._device):
+                launch_stream = _interop.resolve_stream(stream, self._framework, self._device)
+                self._point_at(named, self._framework, launch_stream)
+                return self._launch_into(out, query, launch_stream)
+        if out is not None:
+            raise TypeError("out: JAX arrays are immutable; call without out= and use the returned array")
+        with _interop.launch_context(self._framework, self._device, stream) as launch_stream:
+            arrays = _interop.wrap_all({k: v for k, v in named.items() if v is not None}, self._framework)
+            self._point_at(arrays, "cupy", launch_stream)
+            return self._launch_into(None, query, launch_stream)
+
+    def _point_at(self, arrays: dict[str, Any], kind: str, launch_stream: Any) -> None:
+        """Check each operand (torch or CuPy arrays, per ``kind``) against the plan and point the kernel at it.
+        An operand with a strided last dimension is copied on the launch stream; the copy lives until the next run."""
+        self._copies = []
+        for name, x in arrays.items():
+            if x is None:
+                continue
+            sig = _interop.signature(x, kind)
+            if sig != self._signatures[name]:
+                raise ValueError(f"{name}: the plan was built for {_interop.describe_signature(self._signatures[name])}"
+                                 f", got {_interop.describe_signature(sig)}")
+            if name in _UNIT_STRIDE and sig[2] and sig[2][-1] != 1:
+                with _interop.stream_current(kind, launch_stream):
+                    x = _interop.native_contiguous(x, kind)
+                self._copies.append(x)
+            self._args.set_pointer(_POINTER_PARAMS[name], _interop.native_pointer(x, kind))
+
+    def _point_at_problem(self, problem: _checks.DecodeProblem) -> None:
+        """Point the kernel at a checked problem's (wrapped) arrays, copying those with a strided last dimension."""
+        self._copies = []
+        arrays = {"query": problem.query, "key_cache": problem.key_cache, "value_cache": problem.value_cache,
+                  "block_tables": problem.block_tables, "seq_lens": problem.seq_lens,
+                  "alibi_slopes": problem.alibi_slopes, "attn_bias": problem.bias.array,
+                  "attn_bias.offsets": problem.bias.index}
+        for name, x in arrays.items():
+            if x is None:
+                continue
+            if name in _UNIT_STRIDE:
+                x = _interop.unit_last_stride(x)
+                self._copies.append(x)
+            self._args.set_pointer(_POINTER_PARAMS[name], _interop.data_ptr(x))
+
+    def _launch_into(self, out: Any, like: Any, launch_stream: Any) -> Any:
+        """Launch with the operand addresses set; ``out`` None allocates the result like ``like`` (the query)."""
+        p = self._problem
+        if out is None:
+            result, out_arr = _interop.empty(self._framework, tuple(p.query.shape), p.query.dtype, like,
+                                             launch_stream)
+        elif self._framework in ("torch", "cupy"):
+            result, out_arr = out, out
+            kind = self._framework
+            sig = _interop.signature(out, kind)
+            if sig[0] != self._out_dtype or sig[1] != tuple(p.query.shape) or sig[2][-1:] not in ((1,), ()) \
+                    or sig[3] != self._device:
+                _checks.check_out(_interop.wrap("out", out, kind).array, p.query)  # names what is wrong
+                raise ValueError(f"out: expected an array on device {self._device} like query, got device {sig[3]}")
+        else:
+            result, out_arr = out, _interop.wrap("out", out, self._framework).array
+            _checks.check_out(out_arr, p.query)
+        if p.num_seqs == 0:
+            return _interop.finish(self._framework, result)
+        if out_arr is out:
+            out_ptr, out_strides = _interop.native_pointer(out, self._framework), sig[2]
+        else:
+            out_ptr, out_strides = _interop.data_ptr(out_arr), _checks.element_strides(out_arr)
+        for args in (self._args, self._reduce_args):
+            args.set_pointer("out", out_ptr)
+            args.set("out.stride_s", np.int64(out_strides[0]))
+            args.set("out.stride_h", np.int64(out_strides[1]))
+        self._reduce_args.set_pointer("seq_lens", int(self._args.slots[self._args.index["seq_lens"]]))
+        self._args.launch(self._function, self._launch.grid, _THREADS, _STAGE_BYTES, launch_stream.ptr)
+        if self._launch.num_parts > 1:
+            self._reduce_args.launch(self._reduce_function, (p.num_seqs, p.num_heads, 1), _REDUCE_THREADS, 0,
+                                     launch_stream.ptr)
+        return _interop.finish(self._framework, result)
+
+
+# paged_attention's plans, per thread (a plan's packed arguments are written by each call) and per stream (its
+# workspace is then used in stream order), keyed by everything a plan fixes.
+_PLANS = threading.local()
+_MAX_PLANS_PER_THREAD = 64
+
+
+def _cached_plan(problem: _checks.DecodeProblem, framework: str, device: int, like: Any,
+                 stream: Any) -> DecodePlan:
+    p, b = problem, problem.bias
+    key = (
+        framework, device, stream.ptr, p.dtype, p.head_size, p.kv_layout, p.num_seqs, p.num_heads, p.num_kv_heads,
+        p.max_len, p.scale, _kernel_strides(p.query), _kernel_strides(p.block_tables), dataclasses.astuple(p.cache),
+        b.mode, b.strides, b.dtype, b.n, b.m, p.alibi_slopes is None,
     )
-    if launch.num_parts > 1:
-        reduce_kernel(
-            (p.num_seqs, p.num_heads), (_REDUCE_THREADS,),
-            (
-                ptr(out), i64(out_strides[0]), i64(out_strides[1]), part_acc, part_ml, seq_lens, i32(p.max_len),
-                i32(p.num_heads), i32(launch.tokens_per_part), i32(launch.num_parts),
-            ),
-            stream=stream,
-        )
+    plans = _PLANS.__dict__.setdefault("plans", {})
+    plan = plans.get(key)
+    if plan is None:
+        if len(plans) >= _MAX_PLANS_PER_THREAD:
+            plans.clear()
+        plan = plans[key] = DecodePlan._for_problem(problem, framework, device, like, stream)
+    else:
+        plan._problem = problem  # the same shapes; the arrays of this call
+    return plan
+
+
+def _operands(query: Any, key_cache: Any, value_cache: Any, block_tables: Any, seq_lens: Any, attn_bias: Any,
+              alibi_slopes: Any) -> dict[str, Any]:
+    """The array operands by name (a bias kind's arrays under their own names)."""
+    return {
+        "query": query, "key_cache": key_cache, "value_cache": value_cache, "block_tables": block_tables,
+        "seq_lens": seq_lens, **_checks.bias_operands(attn_bias), "alibi_slopes": alibi_slopes,
+    }
+
+
+def _bias_arrays(arr: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in arr.items() if k.startswith("attn_bias")}
 
 
 def paged_attention(
@@ -243,21 +525,10 @@ def paged_attention(
                 bias=bias,
             )
             _checks.check_host_data(host)
-        if out is not None:
-            result, out_arr = out, arr["out"]
-        else:
-            result, out_arr = _interop.empty(
-                framework, tuple(problem.query.shape), problem.query.dtype, query, launch_stream
-            )
         if problem.num_seqs == 0:
+            result = out if out is not None else _interop.empty(framework, (0, *problem.query.shape[1:]),
+                                                                 problem.query.dtype, query, launch_stream)[0]
             return _interop.finish(framework, result)
-        launch = plan_decode(problem, _num_sms(device))
-        workspace = None
-        if launch.num_parts > 1:
-            rows = problem.num_seqs * problem.num_heads * launch.num_parts
-            workspace = (
-                _interop.empty(framework, (rows, problem.head_size), np.float32, query, launch_stream)[1],
-                _interop.empty(framework, (rows, 2), np.float32, query, launch_stream)[1],
-            )
-        _launch(problem, launch, out_arr, workspace, launch_stream, device)
-    return _interop.finish(framework, result)
+        plan = _cached_plan(problem, framework, device, query, launch_stream)
+        plan._point_at_problem(problem)
+        return plan._launch_into(out, query, launch_stream)

@@ -312,6 +312,93 @@ def test_jax_bias_kinds(rng):
         assert_close(to_numpy(result), paged_attention_ref(*p.args(), **p.kwargs()), "f16", kind)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# DecodePlan: decided once, run many times
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("framework", ["torch", "cupy", "jax"])
+@pytest.mark.parametrize("bias", ["dense", "ragged", "t5-causal", "none"])
+def test_plan_runs_like_paged_attention(rng, split, framework, bias):
+    """A plan built from one problem runs another of the same shapes (new data, new buffers) correctly."""
+    if framework == "torch":
+        pytest.importorskip("torch")
+        convert = to_torch
+    elif framework == "jax":
+        jax = pytest.importorskip("jax")
+        if not any(d.platform == "gpu" for d in jax.devices()):
+            pytest.skip("jax has no GPU")
+        convert = lambda a: None if a is None else jax.numpy.asarray(np.ascontiguousarray(a))  # noqa: E731
+    else:
+        convert = to_cupy
+    shape = dict(num_heads=8, num_kv_heads=2, head_size=64, dtype="bf16", bias=bias, bias_dtype="f32", alibi=True,
+                 spare_blocks=2, extra_table_cols=1)
+    first = make_problem(rng, [300, 17, 1], **shape)
+    args, kwargs = device_args(first, convert)
+    plan = cpa.DecodePlan(*args, **kwargs)
+    run_kwargs = {k: kwargs[k] for k in ("attn_bias", "alibi_slopes")}
+    assert_close(to_numpy(plan.run(*args, **run_kwargs)), paged_attention_ref(*first.args(), **first.kwargs()),
+                 "bf16", "first")
+    second = make_problem(rng, [300, 17, 1], **shape)  # same shapes: a table row per 300 keys, same cache size
+    args2, kwargs2 = device_args(second, convert)
+    expected = paged_attention_ref(*second.args(), **second.kwargs())
+    result = plan.run(*args2, **{k: kwargs2[k] for k in ("attn_bias", "alibi_slopes")})
+    assert_close(to_numpy(result), expected, "bf16", "second")
+    if framework != "jax":
+        out = convert(np.full(second.query.shape, np.nan, second.query.dtype))
+        assert plan.run(*args2, **{k: kwargs2[k] for k in ("attn_bias", "alibi_slopes")}, out=out) is out
+        assert_close(to_numpy(out), expected, "bf16", "out=")
+
+
+def test_plan_rejects_what_it_was_not_built_for(rng):
+    import cupy
+
+    p = make_problem(rng, [40, 5], num_heads=4, num_kv_heads=2, bias="dense", alibi=True)
+    args, kwargs = device_args(p, to_cupy)
+    plan = cpa.DecodePlan(*args, **kwargs)
+    run = {"attn_bias": kwargs["attn_bias"], "alibi_slopes": kwargs["alibi_slopes"]}
+    with pytest.raises(ValueError, match=r"query: the plan was built for dtype float32, shape \(2, 4, 64\)"):
+        plan.run(args[0][:1], *args[1:], **run)
+    with pytest.raises(ValueError, match=r"block_tables: the plan was built for .* got dtype float32"):
+        plan.run(*args[:3], args[3].astype(cupy.float32), args[4], **run)
+    with pytest.raises(ValueError, match=r"attn_bias: the plan was built for a bias of type ndarray, got NoneType"):
+        plan.run(*args, alibi_slopes=run["alibi_slopes"])
+    with pytest.raises(ValueError, match=r"alibi_slopes: expected an array like the plan's"):
+        plan.run(*args, attn_bias=run["attn_bias"])
+    with pytest.raises(ValueError, match=r"out: expected shape"):
+        plan.run(*args, **run, out=cupy.empty((2, 4, 32), cupy.float32))
+    with pytest.raises(TypeError, match=r"query: a DecodePlan launches GPU kernels"):
+        cpa.DecodePlan(*p.args(), **p.kwargs())
+
+
+def test_plan_strided_operands_and_graph(rng):
+    """A plan whose query has a strided last dimension copies it on every run, on the run's stream; a torch CUDA
+    graph of plan.run replays the eager result."""
+    torch = pytest.importorskip("torch")
+    p = make_problem(rng, [500, 64, 5], num_heads=8, num_kv_heads=2, head_size=64, dtype="f16", bias="t5-causal",
+                     bias_dtype="f16")
+    args, kwargs = device_args(p, to_torch)
+    wide = torch.zeros(3, 8, 128, dtype=torch.float16, device="cuda")
+    wide[:, :, ::2] = args[0]
+    strided = wide[:, :, ::2]
+    expected = paged_attention_ref(*p.args(), **p.kwargs())
+    plan = cpa.DecodePlan(strided, *args[1:], **kwargs)
+    assert_close(to_numpy(plan.run(strided, *args[1:], attn_bias=kwargs["attn_bias"])), expected, "f16", "strided")
+
+    plan = cpa.DecodePlan(*args, **kwargs)
+    out = torch.full_like(args[0], float("nan"))
+    graph_stream = torch.cuda.Stream()
+    graph_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(graph_stream):
+        plan.run(*args, attn_bias=kwargs["attn_bias"], out=out)
+    torch.cuda.current_stream().wait_stream(graph_stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(*args, attn_bias=kwargs["attn_bias"], out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(to_numpy(out), expected, "f16", "graph replay")
+
+
 def test_mixed_frameworks_rejected(rng):
     torch = pytest.importorskip("torch")
     p = make_problem(rng, [5], num_heads=4, num_kv_heads=4)
