@@ -289,6 +289,12 @@ def stream_current(kind: str, launch_stream: Any) -> Any:
     return launch_stream if isinstance(launch_stream, cupy.cuda.Stream) else contextlib.nullcontext()
 
 
+def current_device() -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDevice())
+
+
 @contextlib.contextmanager
 def on_device(device: int) -> Iterator[None]:
     """Make ``device`` current for the block (a kernel launches into the current device's context); costs nothing

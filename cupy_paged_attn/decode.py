@@ -79,6 +79,7 @@ class _PackedArgs:
             np.dtype(np.int32): (self.slots.view(np.int32), 2), np.dtype(np.float32): (self.slots.view(np.float32), 2),
         }
         self.addresses = self.slots.ctypes.data + 8 * np.arange(len(named), dtype=np.uint64)
+        self.address = self.addresses.ctypes.data
         self.index = {name: i for i, (name, _) in enumerate(named)}
         for name, value in named:
             self.set(name, value)
@@ -92,9 +93,14 @@ class _PackedArgs:
 
     def launch(self, function: int, grid: tuple[int, int, int], threads: int, shared_mem: int, stream: int) -> None:
         """``cuLaunchKernel`` of ``function`` (a ``CUfunction`` of the current device) with these arguments."""
-        from cupy_backends.cuda.api import driver
+        _launch_kernel()(function, *grid, threads, 1, 1, shared_mem, stream, self.address, 0)
 
-        driver.launchKernel(function, *grid, threads, 1, 1, shared_mem, stream, self.addresses.ctypes.data, 0)
+
+@functools.cache
+def _launch_kernel() -> Any:
+    from cupy_backends.cuda.api import driver
+
+    return driver.launchKernel
 
 
 def _decode_arguments(p: _checks.DecodeProblem, launch: DecodeLaunch) -> list[tuple[str, np.generic]]:
@@ -228,6 +234,7 @@ class DecodePlan:
         self._reduce_args = _PackedArgs(_reduce_arguments(problem, self._launch))
         self._workspace = None
         self._copies: list[Any] = []  # contiguous copies of operands made for the last launch
+        self._out_strides: tuple[int, ...] = ()  # the out strides the packed arguments hold
         if self._launch.num_parts > 1:
             rows = problem.num_seqs * problem.num_heads * self._launch.num_parts
             self._workspace = (
@@ -271,10 +278,13 @@ class DecodePlan:
             raise ValueError("alibi_slopes: expected " + ("an array" if alibi_slopes is None else "None") +
                              " like the plan's")
         if self._native:
-            with _interop.on_device(self._device):
-                launch_stream = _interop.resolve_stream(stream, self._framework, self._device)
-                self._point_at(named, self._framework, launch_stream)
-                return self._launch_into(out, query, launch_stream)
+            if _interop.current_device() != self._device:  # a launch goes to the current device's context
+                with _interop.on_device(self._device):
+                    return self.run(query, key_cache, value_cache, block_tables, seq_lens, attn_bias=attn_bias,
+                                    alibi_slopes=alibi_slopes, out=out, stream=stream)
+            launch_stream = _interop.resolve_stream(stream, self._framework, self._device)
+            self._point_at(named, self._framework, launch_stream)
+            return self._launch_into(out, query, launch_stream)
         if out is not None:
             raise TypeError("out: JAX arrays are immutable; call without out= and use the returned array")
         with _interop.launch_context(self._framework, self._device, stream) as launch_stream:
@@ -286,6 +296,7 @@ class DecodePlan:
         """Check each operand (torch or CuPy arrays, per ``kind``) against the plan and point the kernel at it.
         An operand with a strided last dimension is copied on the launch stream; the copy lives until the next run."""
         self._copies = []
+        slots, index = self._args.slots, self._args.index
         for name, x in arrays.items():
             if x is None:
                 continue
@@ -297,7 +308,7 @@ class DecodePlan:
                 with _interop.stream_current(kind, launch_stream):
                     x = _interop.native_contiguous(x, kind)
                 self._copies.append(x)
-            self._args.set_pointer(_POINTER_PARAMS[name], _interop.native_pointer(x, kind))
+            slots[index[_POINTER_PARAMS[name]]] = _interop.native_pointer(x, kind)
 
     def _point_at_problem(self, problem: _checks.DecodeProblem) -> None:
         """Point the kernel at a checked problem's (wrapped) arrays, copying those with a strided last dimension."""
@@ -339,8 +350,11 @@ class DecodePlan:
             out_ptr, out_strides = _interop.data_ptr(out_arr), _checks.element_strides(out_arr)
         for args in (self._args, self._reduce_args):
             args.set_pointer("out", out_ptr)
-            args.set("out.stride_s", np.int64(out_strides[0]))
-            args.set("out.stride_h", np.int64(out_strides[1]))
+        if out_strides[:2] != self._out_strides:
+            self._out_strides = tuple(out_strides[:2])
+            for args in (self._args, self._reduce_args):
+                args.set("out.stride_s", np.int64(out_strides[0]))
+                args.set("out.stride_h", np.int64(out_strides[1]))
         self._reduce_args.set_pointer("seq_lens", int(self._args.slots[self._args.index["seq_lens"]]))
         self._args.launch(self._function, self._launch.grid, _THREADS, _STAGE_BYTES, launch_stream.ptr)
         if self._launch.num_parts > 1:
