@@ -197,11 +197,7 @@ class DecodePlan:
         device = _interop.device_of("query", query, framework)
         with _interop.launch_context(framework, device, None) as stream:
             arr = _interop.wrap_all(named, framework)
-            problem = _checks.check_decode(
-                arr["query"], arr["key_cache"], arr["value_cache"], arr["block_tables"], arr["seq_lens"],
-                scale=scale, attn_bias=attn_bias, alibi_slopes=arr.get("alibi_slopes"), kv_layout=kv_layout,
-                out=None, bias_arrays=_bias_arrays(arr),
-            )
+            problem = _check_wrapped(arr, attn_bias, scale, kv_layout)
             self._setup(problem, framework, device, query, stream)
         # What run() compares: the caller's torch / CuPy arrays as they are, other frameworks' once imported.
         self._native = framework in ("torch", "cupy")
@@ -397,8 +393,13 @@ def _operands(query: Any, key_cache: Any, value_cache: Any, block_tables: Any, s
     }
 
 
-def _bias_arrays(arr: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in arr.items() if k.startswith("attn_bias")}
+def _check_wrapped(arr: dict[str, Any], attn_bias: Any, scale: Any, kv_layout: Any) -> _checks.DecodeProblem:
+    """check_decode on the wrapped operands (``arr``, named as :func:`_operands` names them, ``out`` optional)."""
+    return _checks.check_decode(
+        arr["query"], arr["key_cache"], arr["value_cache"], arr["block_tables"], arr["seq_lens"],
+        scale=scale, attn_bias=attn_bias, alibi_slopes=arr.get("alibi_slopes"), kv_layout=kv_layout,
+        out=arr.get("out"), bias_arrays={k: v for k, v in arr.items() if k.startswith("attn_bias")},
+    )
 
 
 def paged_attention(
@@ -506,10 +507,7 @@ def paged_attention(
     skipped, and a sequence whose RaggedBias rows lie outside ``values`` is cut short, so no input can make the
     kernel read or write out of bounds.
     """
-    named = {
-        "query": query, "key_cache": key_cache, "value_cache": value_cache, "block_tables": block_tables,
-        "seq_lens": seq_lens, **_checks.bias_operands(attn_bias), "alibi_slopes": alibi_slopes, "out": out,
-    }
+    named = {**_operands(query, key_cache, value_cache, block_tables, seq_lens, attn_bias, alibi_slopes), "out": out}
     framework = _interop.common_framework(named, optional=("attn_bias", "alibi_slopes", "out"))
     if framework == "numpy":
         if stream is not None:
@@ -525,11 +523,7 @@ def paged_attention(
     device = _interop.device_of("query", query, framework)
     with _interop.launch_context(framework, device, stream) as launch_stream:
         arr = _interop.wrap_all(named, framework)
-        problem = _checks.check_decode(
-            arr["query"], arr["key_cache"], arr["value_cache"], arr["block_tables"], arr["seq_lens"],
-            scale=scale, attn_bias=attn_bias, alibi_slopes=arr.get("alibi_slopes"), kv_layout=kv_layout,
-            out=arr.get("out"), bias_arrays={k: v for k, v in arr.items() if k.startswith("attn_bias")},
-        )
+        problem = _check_wrapped(arr, attn_bias, scale, kv_layout)
         if validate:
             bias = problem.bias
             if bias.mode == "ragged":

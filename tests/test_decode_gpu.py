@@ -61,6 +61,21 @@ def device_args(p, convert):
                                            "alibi_slopes": convert(p.alibi_slopes)}
 
 
+def captured(call):
+    """A torch CUDA graph of ``call()``, after a warm-up run on a side stream (compiles outside the capture)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph
+
+
 @pytest.fixture(params=["single-pass", "split-k"])
 def split(request, monkeypatch):
     """Force one path: a 1-SM GPU never splits; a huge one always does (as far as the keys allow)."""
@@ -217,14 +232,7 @@ def test_torch_current_stream_and_graph(rng):
     assert_close(to_numpy(result), expected, "f16")
 
     out = torch.full_like(args[0], float("nan"))
-    graph_stream = torch.cuda.Stream()
-    graph_stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(graph_stream):
-        cpa.paged_attention(*args, **kwargs, out=out)  # warm-up: compile outside the capture
-    torch.cuda.current_stream().wait_stream(graph_stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        cpa.paged_attention(*args, **kwargs, out=out)
+    graph = captured(lambda: cpa.paged_attention(*args, **kwargs, out=out))
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
@@ -285,14 +293,7 @@ def test_torch_bias_kinds_and_graph(rng):
         expected = paged_attention_ref(*p.args(), **p.kwargs())
         assert_close(to_numpy(cpa.paged_attention(*args, **kwargs)), expected, "bf16", kind)
         out = torch.full_like(args[0], float("nan"))
-        graph_stream = torch.cuda.Stream()
-        graph_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(graph_stream):
-            cpa.paged_attention(*args, **kwargs, out=out)
-        torch.cuda.current_stream().wait_stream(graph_stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            cpa.paged_attention(*args, **kwargs, out=out)
+        graph = captured(lambda: cpa.paged_attention(*args, **kwargs, out=out))  # noqa: B023 (called at once)
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
@@ -385,14 +386,7 @@ def test_plan_strided_operands_and_graph(rng):
 
     plan = cpa.DecodePlan(*args, **kwargs)
     out = torch.full_like(args[0], float("nan"))
-    graph_stream = torch.cuda.Stream()
-    graph_stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(graph_stream):
-        plan.run(*args, attn_bias=kwargs["attn_bias"], out=out)
-    torch.cuda.current_stream().wait_stream(graph_stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        plan.run(*args, attn_bias=kwargs["attn_bias"], out=out)
+    graph = captured(lambda: plan.run(*args, attn_bias=kwargs["attn_bias"], out=out))
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
