@@ -293,7 +293,7 @@ def test_torch_bias_kinds_and_graph(rng):
         expected = paged_attention_ref(*p.args(), **p.kwargs())
         assert_close(to_numpy(cpa.paged_attention(*args, **kwargs)), expected, "bf16", kind)
         out = torch.full_like(args[0], float("nan"))
-        graph = captured(lambda: cpa.paged_attention(*args, **kwargs, out=out))  # noqa: B023 (called at once)
+        graph = captured(lambda args=args, kwargs=kwargs, out=out: cpa.paged_attention(*args, **kwargs, out=out))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
@@ -327,7 +327,8 @@ def test_plan_runs_like_paged_attention(rng, split, framework, bias):
         jax = pytest.importorskip("jax")
         if not any(d.platform == "gpu" for d in jax.devices()):
             pytest.skip("jax has no GPU")
-        convert = lambda a: None if a is None else jax.numpy.asarray(np.ascontiguousarray(a))  # noqa: E731
+        def convert(a):
+            return None if a is None else jax.numpy.asarray(np.ascontiguousarray(a))
     else:
         convert = to_cupy
     shape = dict(num_heads=8, num_kv_heads=2, head_size=64, dtype="bf16", bias=bias, bias_dtype="f32", alibi=True,
