@@ -1,4 +1,5 @@
-"""cupy-paged-attn: paged decode attention with an additive bias, compiled at run time by CuPy (NVRTC).
+"""cupy-paged-attn: paged decode and prefill attention with an additive bias, compiled at run time by CuPy
+(NVRTC).
 
 Takes PyTorch, JAX and CuPy CUDA arrays (through DLPack) and NumPy arrays (on the CPU, through the float64
 reference), and answers in the caller's own type.
@@ -8,6 +9,7 @@ from . import reference
 from .bias import RaggedBias, RelativePositionBias, alibi_slopes, t5_position_bias, t5_relative_position_bucket
 from .cache import reshape_and_cache
 from .decode import DecodePlan, paged_attention
+from .prefill import paged_prefill_attention
 
 __all__ = [
     "DecodePlan",
@@ -15,6 +17,7 @@ __all__ = [
     "RelativePositionBias",
     "alibi_slopes",
     "paged_attention",
+    "paged_prefill_attention",
     "reference",
     "reshape_and_cache",
     "t5_position_bias",

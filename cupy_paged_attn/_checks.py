@@ -355,7 +355,7 @@ def check_out(out: Any, query: Any) -> None:
     check_shape("out", out, tuple(query.shape), "[num_seqs, num_heads, head_size] (the query's shape)")
     if np.dtype(out.dtype) != np.dtype(query.dtype):
         raise ValueError(f"out: expected dtype {query.dtype} (the query's), got {out.dtype}")
-    if out.strides[-1] != out.dtype.itemsize:
+    if out.strides[-1] != out.dtype.itemsize and 0 not in out.shape:  # an empty array's strides are anything
         raise ValueError(f"out: the last dimension must be contiguous, got strides {element_strides(out)}")
 
 
@@ -434,3 +434,137 @@ def check_slots_host(problem: CacheWriteProblem) -> None:
     if bad.size:
         t = int(bad[0])
         raise ValueError(f"slot_mapping: token {t} has slot {int(slots[t])}, outside the cache's {capacity} slots")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prefill
+# ---------------------------------------------------------------------------------------------------------------
+#: A dense bias's row count when there is none: no query row is cut off by it (int32 in the kernels).
+NO_ROW_LIMIT = 2**31 - 1
+
+
+@dataclass
+class PrefillProblem:
+    """Validated prefill arguments; arrays are the wrapped (NumPy, CuPy or torch) ones."""
+
+    query: Any
+    key_cache: Any
+    value_cache: Any
+    block_tables: Any
+    seq_lens: Any
+    query_start_loc: Any
+    bias: CheckedBias
+    alibi_slopes: Any | None
+    out: Any | None
+    num_seqs: int
+    total_q: int  # query rows of all sequences together
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    cache: CacheGeometry
+    max_blocks_per_seq: int
+    max_len: int  # most keys a sequence can have: the block table's capacity, and a dense bias's length
+    q_limit: int  # most query rows a sequence can have in a dense bias (its max_q_len), else NO_ROW_LIMIT
+    scale: float
+    causal: bool
+    kv_layout: str
+    dtype: str  # "f32" | "f16" | "bf16"
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def check_prefill(
+    query: Any,
+    key_cache: Any,
+    value_cache: Any,
+    block_tables: Any,
+    seq_lens: Any,
+    query_start_loc: Any,
+    *,
+    causal: Any,
+    scale: Any,
+    attn_bias: Any,
+    alibi_slopes: Any,
+    kv_layout: Any,
+    out: Any,
+    bias_arrays: dict[str, Any] | None = None,
+) -> PrefillProblem:
+    """Validate the arguments of :func:`cupy_paged_attn.paged_prefill_attention` (see its docstring for the list).
+
+    Reads no device data: query lengths are checked by :func:`check_prefill_host_data`.
+    """
+    if bias_arrays is None:
+        bias_arrays = bias_operands(attn_bias)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__} {causal!r}")
+    layout = check_layout_option(kv_layout)
+    q_dims = "[total_query_tokens, num_heads, head_size]"
+    check_ndim("query", query, 3, q_dims)
+    dtype = dtype_name("query", query)
+    total_q, num_heads, head_size = query.shape
+    check_head_size("query", head_size)
+    if num_heads == 0:
+        raise ValueError(f"query: expected num_heads >= 1, got shape {tuple(query.shape)}")
+    if total_q >= 2**31:
+        raise ValueError(f"query: at most 2**31 - 1 tokens, got {total_q}")
+    cache = check_caches(key_cache, value_cache, layout, query.dtype, head_size, "query")
+    if num_heads % cache.num_kv_heads:
+        raise ValueError(
+            f"key_cache: num_kv_heads ({cache.num_kv_heads}) must divide the query's num_heads ({num_heads})"
+        )
+    check_ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
+    check_dtype("block_tables", block_tables, (np.int32,))
+    num_seqs, max_blocks = block_tables.shape
+    check_shape("seq_lens", seq_lens, (num_seqs,), "[num_seqs] (num_seqs from block_tables)")
+    check_dtype("seq_lens", seq_lens, (np.int32,))
+    check_shape("query_start_loc", query_start_loc, (num_seqs + 1,), "[num_seqs + 1] (num_seqs from block_tables)")
+    check_dtype("query_start_loc", query_start_loc, (np.int32,))
+    max_len = max_blocks * cache.block_size
+
+    bias = check_bias(attn_bias, bias_arrays, num_seqs, num_heads, rows=0)
+    q_limit = NO_ROW_LIMIT
+    if bias.length is not None:
+        max_len = min(max_len, bias.length)
+        q_limit = int(bias.array.shape[2])
+    if alibi_slopes is not None:
+        check_shape("alibi_slopes", alibi_slopes, (num_heads,), "[num_heads]")
+        check_dtype("alibi_slopes", alibi_slopes, (np.float32,))
+    if out is not None:
+        check_out(out, query)
+
+    return PrefillProblem(
+        query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables, seq_lens=seq_lens,
+        query_start_loc=query_start_loc, bias=bias, alibi_slopes=alibi_slopes, out=out, num_seqs=num_seqs,
+        total_q=total_q, num_heads=num_heads, num_kv_heads=cache.num_kv_heads, head_size=head_size, cache=cache,
+        max_blocks_per_seq=max_blocks, max_len=max_len, q_limit=q_limit, scale=check_scale(scale, head_size),
+        causal=bool(causal), kv_layout=layout, dtype=dtype,
+    )
+
+
+def check_prefill_host_data(problem: PrefillProblem) -> None:
+    """The prefill checks that read device data (host copies in ``problem``): those of decode (seq_lens, block
+    ids) plus ``query_start_loc``: starts at 0, never decreases, ends at total_query_tokens, and each sequence's
+    query rows are at most its keys (and at most a dense bias's max_q_len)."""
+    check_host_data(problem)  # type: ignore[arg-type]  # the same fields as a DecodeProblem
+    starts = np.asarray(problem.query_start_loc).astype(np.int64)
+    seq_lens = np.asarray(problem.seq_lens)
+    if starts[0] != 0 or starts[-1] != problem.total_q:
+        raise ValueError(
+            f"query_start_loc: expected to start at 0 and end at total_query_tokens={problem.total_q}, got "
+            f"{int(starts[0])} ... {int(starts[-1])}"
+        )
+    for s in range(problem.num_seqs):
+        q_len = int(starts[s + 1] - starts[s])
+        if q_len < 0:
+            raise ValueError(f"query_start_loc: sequence {s} has {q_len} query rows (the array must not decrease)")
+        if q_len > int(seq_lens[s]):
+            raise ValueError(
+                f"query_start_loc: sequence {s} has {q_len} query rows but seq_lens[{s}] = {int(seq_lens[s])} keys "
+                "(the queries are the last keys of their sequence)"
+            )
+        if q_len > problem.q_limit:
+            raise ValueError(
+                f"attn_bias: sequence {s} has {q_len} query rows, more than the bias's max_q_len = {problem.q_limit}"
+            )

@@ -194,3 +194,77 @@ def compile_offline(filename: str, names: list[str], arch: str) -> tuple[bytes, 
         return nvrtc.getCUBIN(program), {name: nvrtc.getLoweredName(program, name) for name in names}
     finally:
         nvrtc.destroyProgram(program)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prefill (kernels_cu/paged_prefill.cu)
+# ---------------------------------------------------------------------------------------------------------------
+#: Bias kinds of the prefill kernels (a ragged bias is decode-only).
+PREFILL_BIAS_MODES = ("none", "dense", "t5")
+#: Threads of the attention kernels and rows (query token, query head) of one CTA: kPrefillThreads, kRowsPerCta.
+PREFILL_THREADS = 128
+PREFILL_ROWS_PER_CTA = 64
+PREFILL_PLAN_THREADS = 1024
+PREFILL_REDUCE_THREADS = 128
+_PREFILL_STAGES = 2
+_PREFILL_REL_TABLE = 640
+
+
+def prefill_tile_keys(head_size: int) -> int:
+    """Keys per K/V tile of the tensor-core kernel (PrefillLayout::TILE_N); every partition is a multiple."""
+    return 64 if head_size <= 128 else 32
+
+
+def prefill_smem_bytes(dtype: str, head_size: int) -> int:
+    """Dynamic shared memory of one prefill CTA (PrefillLayout::kSmemBytes; 0 for the float32 SIMT kernel)."""
+    if dtype == "f32":
+        return 0
+    row = (-(-head_size // 16) * 16) // 8 + 1  # 16-byte vectors per padded row
+    tile = prefill_tile_keys(head_size)
+    return (PREFILL_ROWS_PER_CTA * row * 16 + _PREFILL_STAGES * 2 * tile * row * 16 + _PREFILL_STAGES * tile * 4
+            + 2 * _PREFILL_REL_TABLE * 4)
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    """Compile-time choices of one prefill kernel; causal, ALiBi, page size and bias dtype are run-time."""
+
+    dtype: str  # "f32" (SIMT kernel) | "f16" | "bf16" (tensor cores)
+    head_size: int
+    layout: str  # "nhd" | "vllm"
+    bias: str  # one of PREFILL_BIAS_MODES
+
+    @property
+    def key(self) -> str:
+        return f"paged_prefill_{self.dtype}_d{self.head_size}_{self.layout}_bias-{self.bias}"
+
+    def name_expressions(self) -> tuple[str, str, str]:
+        """The attention kernel, its split-K reduction and the tile plan, as NVRTC name expressions."""
+        t = CUDA_TYPES[self.dtype]
+        kernel = "paged_prefill_simt" if self.dtype == "f32" else "paged_prefill"
+        main = f"cpa::{kernel}<{t}, {self.head_size}, {_CUDA_LAYOUT[self.layout]}, {_CUDA_BIAS[self.bias]}>"
+        return main, f"cpa::paged_prefill_reduce<{t}, {self.head_size}>", "cpa::paged_prefill_plan"
+
+
+def all_prefill_specs() -> list[PrefillSpec]:
+    """Every prefill specialisation the library can launch."""
+    return [
+        PrefillSpec(dt, d, lay, bias)
+        for dt in CUDA_TYPES
+        for d in HEAD_SIZES
+        for lay in KV_LAYOUTS
+        for bias in PREFILL_BIAS_MODES
+    ]
+
+
+@functools.cache
+def get_prefill_kernels(spec: PrefillSpec, device_id: int) -> tuple[Any, Any, Any]:
+    """The compiled ``(paged_prefill, paged_prefill_reduce, paged_prefill_plan)`` of ``spec`` on ``device_id``,
+    the first allowed its dynamic shared memory (past the default 48 KB, CUDA wants it said)."""
+    names = spec.name_expressions()
+    module = _module("paged_prefill.cu", spec.key, names, device_id)
+    kernel = module.get_function(names[0])
+    smem = prefill_smem_bytes(spec.dtype, spec.head_size)
+    if smem:
+        kernel.max_dynamic_shared_size_bytes = smem
+    return kernel, module.get_function(names[1]), module.get_function(names[2])

@@ -13,7 +13,7 @@ import numpy as np
 from . import _checks, _interop
 from .bias import t5_position_bias
 
-__all__ = ["dense_bias", "paged_attention_ref", "reshape_and_cache_ref", "to_numpy"]
+__all__ = ["dense_bias", "paged_attention_ref", "paged_prefill_attention_ref", "reshape_and_cache_ref", "to_numpy"]
 
 
 def to_numpy(x: Any) -> Any:
@@ -163,3 +163,95 @@ def reshape_and_cache_ref(
             key_cache[blk, :, :, off, :] = key[t].reshape(key.shape[1], -1, x)
             value_cache[blk, :, :, off] = value[t]
     return key_cache, value_cache
+
+
+def prefill_math(problem: _checks.PrefillProblem) -> np.ndarray:
+    """out[t, h] in float64 for a checked prefill problem whose arrays are NumPy arrays."""
+    p = problem
+    q = np.asarray(p.query, dtype=np.float64)
+    k_cache, v_cache = _nhd_caches(p.key_cache, p.value_cache, p.kv_layout)
+    alibi = None if p.alibi_slopes is None else np.asarray(p.alibi_slopes, dtype=np.float64)
+    starts = np.asarray(p.query_start_loc)
+    g = p.group_size
+    bs = p.cache.block_size
+    out = np.zeros((p.total_q, p.num_heads, p.head_size), dtype=np.float64)
+    for s in range(p.num_seqs):
+        n = int(p.seq_lens[s])
+        q0, q1 = int(starts[s]), int(starts[s + 1])
+        q_len = q1 - q0
+        if n == 0 or q_len == 0:
+            continue
+        pages = p.block_tables[s, : -(-n // bs)]
+        # Token by token through the block table: token j lives in page pages[j // bs] at offset j % bs.
+        k = k_cache[pages].reshape(-1, p.num_kv_heads, p.head_size)[:n].astype(np.float64)
+        v = v_cache[pages].reshape(-1, p.num_kv_heads, p.head_size)[:n].astype(np.float64)
+        k = np.repeat(k, g, axis=1)  # query head h reads KV head h // g
+        v = np.repeat(v, g, axis=1)
+        pos = n - q_len + np.arange(q_len)  # absolute position of each query row
+        rel = np.arange(n)[None, :] - pos[:, None]  # [q_len, n]: key position - query position
+        logits = p.scale * np.einsum("ihd,jhd->ihj", q[q0:q1], k)
+        if alibi is not None:
+            logits += alibi[None, :, None] * rel[:, None, :]
+        if p.bias.mode == "dense":
+            logits += np.asarray(p.bias.array[s, :, :q_len, :n], dtype=np.float64).transpose(1, 0, 2)
+        elif p.bias.mode == "t5":
+            t5 = p.bias.source
+            logits += t5_position_bias(np.asarray(p.bias.array, dtype=np.float64), pos.astype(np.int64), n,
+                                       bidirectional=t5.bidirectional, num_buckets=t5.num_buckets,
+                                       max_distance=t5.max_distance)
+        if p.causal:
+            logits = np.where((rel > 0)[:, None, :], -np.inf, logits)
+        m = logits.max(axis=2, keepdims=True)
+        masked = np.isneginf(m)  # every key masked: the row is zeros
+        with np.errstate(invalid="ignore"):
+            e = np.exp(logits - np.where(masked, 0.0, m))
+        total = e.sum(axis=2, keepdims=True)
+        probs = np.where(masked, 0.0, e / np.where(masked, 1.0, total))
+        out[q0:q1] = np.einsum("ihj,jhd->ihd", probs, v)
+    return out
+
+
+def paged_prefill_attention_ref(
+    query: Any,
+    key_cache: Any,
+    value_cache: Any,
+    block_tables: Any,
+    seq_lens: Any,
+    query_start_loc: Any,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    attn_bias: Any = None,
+    alibi_slopes: Any = None,
+    kv_layout: str = "nhd",
+    out: Any = None,
+    stream: Any = None,
+) -> Any:
+    """Reference of :func:`cupy_paged_attn.paged_prefill_attention`, same signature, float64 math on the host.
+
+    Arrays of any supported framework are copied to NumPy first; a RelativePositionBias is materialised densely
+    with :func:`cupy_paged_attn.t5_position_bias` at each query row's position. Runs the same argument checks plus
+    the checks of device data (:func:`cupy_paged_attn._checks.check_prefill_host_data`), which raise
+    ``ValueError``. ``stream`` is ignored.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``[total_query_tokens, num_heads, head_size]`` float64, unless ``out`` (a NumPy array) is given: then the
+        result is cast into ``out``, which is returned.
+    """
+    arrays = [to_numpy(a) for a in (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                    alibi_slopes)]
+    bias_arrays = {name: to_numpy(a) for name, a in _checks.bias_operands(attn_bias).items()}
+    if out is not None and not isinstance(out, np.ndarray):
+        raise TypeError(f"out: the reference writes NumPy arrays only, got {type(out).__name__}")
+    problem = _checks.check_prefill(
+        *arrays[:6], causal=causal, scale=scale, attn_bias=attn_bias, alibi_slopes=arrays[6], kv_layout=kv_layout,
+        out=out, bias_arrays=bias_arrays,
+    )
+    _checks.check_prefill_host_data(problem)
+    result = prefill_math(problem)
+    if out is None:
+        return result
+    out[...] = result.astype(out.dtype)
+    return out

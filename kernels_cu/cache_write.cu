@@ -10,7 +10,7 @@ namespace cpa {
 
 constexpr int kCacheThreads = 128;
 
-enum class CacheLayout : int { kNHD = 0, kVLLM = 1 };  // as KvLayout in paged_decode.cu
+enum class CacheLayout : int { kNHD = 0, kVLLM = 1 };  // as KvLayout in common.cuh
 
 template <typename T, CacheLayout LAYOUT, typename SlotT>
 __global__ void __launch_bounds__(kCacheThreads) reshape_and_cache(

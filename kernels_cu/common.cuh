@@ -1,5 +1,6 @@
 // Device helpers shared by every kernel family of cupy-paged-attn: dtype conversion, 16-byte vector loads
-// and stores, warp reductions, and the bias sources that the attention kernels add to their logits.
+// and stores, warp reductions, the paged caches' addressing, and the bias sources that the attention kernels add
+// to their logits.
 //
 // This header is inlined into each kernel's source text by cupy_paged_attn/_compile.py (CuPy's disk cache keys
 // on the source text, not on included files), so it must not include anything but CUDA's own headers.
@@ -122,6 +123,61 @@ __device__ __forceinline__ float group_sum(float x) {
   for (int o = LANES / 2; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// The paged KV caches, as every attention kernel reads them. A "vector" is VEC consecutive elements of head_size,
+// at index c < HEAD / VEC.
+// ---------------------------------------------------------------------------------------------------------------
+enum class KvLayout : int {
+  kNHD = 0,   // key, value: [num_blocks, block_size, num_kv_heads, head_size]
+  kVLLM = 1,  // key: [num_blocks, num_kv_heads, head_size / VEC, block_size, VEC]; value: [.., head_size, block_size]
+};
+
+template <typename T, int HEAD, KvLayout LAYOUT>
+struct PagedCache {
+  static constexpr int VEC = vec_elems<T>();
+  // vLLM's value pages are head_size-major: a token's VEC elements are block_size apart, too scattered for one copy.
+  static constexpr bool kValueIsVector = LAYOUT == KvLayout::kNHD;
+  const T* key;
+  const T* value;
+  long long block_stride;  // elements between consecutive pages (the caches may be views of a larger array)
+  int num_kv_heads;
+  int block_shift;  // log2(block_size): pages hold a power of two of tokens
+
+  __device__ __forceinline__ const T* key_vec(long long blk, int off, int kvh, int c) const {
+    if constexpr (LAYOUT == KvLayout::kNHD) {
+      return key + blk * block_stride + (static_cast<long long>(off) * num_kv_heads + kvh) * HEAD + c * VEC;
+    } else {
+      return key + blk * block_stride + ((((static_cast<long long>(kvh) * (HEAD / VEC) + c) << block_shift) + off) * VEC);
+    }
+  }
+
+  // NHD only: the value vector is contiguous.
+  __device__ __forceinline__ const T* value_vec(long long blk, int off, int kvh, int c) const {
+    return value + blk * block_stride + (static_cast<long long>(off) * num_kv_heads + kvh) * HEAD + c * VEC;
+  }
+
+  // Element d of a token's value, either layout.
+  __device__ __forceinline__ T value_elem(long long blk, int off, int kvh, int d) const {
+    if constexpr (LAYOUT == KvLayout::kNHD) {
+      return value_vec(blk, off, kvh, 0)[d];
+    } else {
+      return value[blk * block_stride + ((static_cast<long long>(kvh) * HEAD + d) << block_shift) + off];
+    }
+  }
+
+  // vLLM only: gather the value vector element by element (one address, then block_size apart).
+  __device__ __forceinline__ uint4 gather_value(long long blk, int off, int kvh, int c) const {
+    const T* p = value + blk * block_stride + ((static_cast<long long>(kvh) * HEAD + c * VEC) << block_shift) + off;
+    union {
+      uint4 raw;
+      T elem[VEC];
+    } u;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) u.elem[e] = p[e << block_shift];
+    return u.raw;
+  }
+};
 
 // ---------------------------------------------------------------------------------------------------------------
 // Sequence length as the kernels see it: seq_lens[s] clamped to [0, max_len], where max_len is the most keys the

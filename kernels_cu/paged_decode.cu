@@ -30,51 +30,6 @@ constexpr int kStages = 3;         // shared-memory pipeline depth: kStages − 
 #endif
 constexpr int kReduceThreads = 128;
 
-enum class KvLayout : int {
-  kNHD = 0,   // key, value: [num_blocks, block_size, num_kv_heads, head_size]
-  kVLLM = 1,  // key: [num_blocks, num_kv_heads, head_size / VEC, block_size, VEC]; value: [.., head_size, block_size]
-};
-
-// ---------------------------------------------------------------------------------------------------------------
-// Addressing of the paged caches. A "vector" is VEC consecutive elements of head_size, at index c < HEAD / VEC.
-// ---------------------------------------------------------------------------------------------------------------
-template <typename T, int HEAD, KvLayout LAYOUT>
-struct PagedCache {
-  static constexpr int VEC = vec_elems<T>();
-  // vLLM's value pages are head_size-major: a token's VEC elements are block_size apart, too scattered for one copy.
-  static constexpr bool kValueIsVector = LAYOUT == KvLayout::kNHD;
-  const T* key;
-  const T* value;
-  long long block_stride;  // elements between consecutive pages (the caches may be views of a larger array)
-  int num_kv_heads;
-  int block_shift;  // log2(block_size): pages hold a power of two of tokens
-
-  __device__ __forceinline__ const T* key_vec(long long blk, int off, int kvh, int c) const {
-    if constexpr (LAYOUT == KvLayout::kNHD) {
-      return key + blk * block_stride + (static_cast<long long>(off) * num_kv_heads + kvh) * HEAD + c * VEC;
-    } else {
-      return key + blk * block_stride + ((((static_cast<long long>(kvh) * (HEAD / VEC) + c) << block_shift) + off) * VEC);
-    }
-  }
-
-  // NHD only: the value vector is contiguous.
-  __device__ __forceinline__ const T* value_vec(long long blk, int off, int kvh, int c) const {
-    return value + blk * block_stride + (static_cast<long long>(off) * num_kv_heads + kvh) * HEAD + c * VEC;
-  }
-
-  // vLLM only: gather the value vector element by element.
-  __device__ __forceinline__ uint4 gather_value(long long blk, int off, int kvh, int c) const {
-    const T* p = value + blk * block_stride + ((static_cast<long long>(kvh) * HEAD + c * VEC) << block_shift) + off;
-    union {
-      uint4 raw;
-      T elem[VEC];
-    } u;
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) u.elem[i] = p[i << block_shift];
-    return u.raw;
-  }
-};
-
 // ---------------------------------------------------------------------------------------------------------------
 // Layout of one specialisation.
 // Compute: thread (tx, ty, tz), tid = (tz·HG + ty)·TX + tx. TX lanes span head_size (VPL vectors each), ty is the

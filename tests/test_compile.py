@@ -69,3 +69,21 @@ def test_split_planning(rng, seq_lens, heads, expect_split):
     assert plan.grid == (len(seq_lens), heads[1] * -(-(heads[0] // heads[1]) // plan.spec.heads_per_cta),
                          plan.num_parts)
     assert np.all(np.asarray(plan.grid) >= 1)
+
+
+@pytest.mark.parametrize(("dtype", "arch"), list(itertools.product(_compile.CUDA_TYPES, ARCHS)))
+def test_every_prefill_specialisation_compiles(dtype, arch):
+    specs = [s for s in _compile.all_prefill_specs() if s.dtype == dtype]
+    assert len(specs) == len(_compile.HEAD_SIZES) * len(_compile.KV_LAYOUTS) * len(_compile.PREFILL_BIAS_MODES)
+    _compile_all("paged_prefill.cu", specs, arch)
+
+
+def test_prefill_keys_and_shared_memory():
+    spec = _compile.PrefillSpec("bf16", 128, "nhd", "t5")
+    assert spec.key == "paged_prefill_bf16_d128_nhd_bias-t5"
+    assert spec.name_expressions()[0] == "cpa::paged_prefill<__nv_bfloat16, 128, cpa::KvLayout::kNHD, cpa::T5Bias>"
+    assert _compile.PrefillSpec("f32", 64, "vllm", "none").name_expressions()[0].startswith("cpa::paged_prefill_simt<")
+    # Two CTAs of the largest specialisation fit one H100/H200 SM (227 KB per CTA, 228 KB per SM).
+    assert max(_compile.prefill_smem_bytes(dt, d) for dt in ("f16", "bf16") for d in _compile.HEAD_SIZES) <= 113 * 1024
+    assert _compile.prefill_smem_bytes("f32", 128) == 0
+    assert '#include "mma.cuh"' not in _compile.kernel_source("paged_prefill.cu")

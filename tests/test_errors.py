@@ -692,3 +692,103 @@ def test_slot_past_the_cache_writes_nothing(layout):
         reshape_and_cache(**args)
     np.testing.assert_array_equal(args["key_cache"], before[0])
     np.testing.assert_array_equal(args["value_cache"], before[1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# paged_prefill_attention (the NumPy path runs every check, device data included)
+# ---------------------------------------------------------------------------------------------------------------
+from cupy_paged_attn.prefill import paged_prefill_attention  # noqa: E402
+
+Q_LENS = (1, 5, 10)  # query rows per sequence, each <= its SEQ_LENS entry
+TOTAL_Q = sum(Q_LENS)
+MAX_Q = 12  # rows of the dense prefill bias
+
+
+def prefill_args(layout: str = "nhd", dtype: Any = np.float32) -> dict[str, Any]:
+    """Valid keyword arguments of ``paged_prefill_attention`` (dense bias and ALiBi included)."""
+    key_cache, value_cache = make_caches(layout, dtype)
+    return {
+        "query": rand((TOTAL_Q, NUM_HEADS, HEAD_SIZE), dtype),
+        "key_cache": key_cache,
+        "value_cache": value_cache,
+        "block_tables": make_block_tables(),
+        "seq_lens": np.array(SEQ_LENS, np.int32),
+        "query_start_loc": np.array((0, *np.cumsum(Q_LENS)), np.int32),
+        "attn_bias": rand((NUM_SEQS, NUM_HEADS, MAX_Q, BIAS_LEN), dtype),
+        "alibi_slopes": rand(NUM_HEADS, np.float32),
+        "kv_layout": layout,
+    }
+
+
+BUILDERS[paged_prefill_attention] = prefill_args
+prefill_case = functools.partial(case, paged_prefill_attention)
+
+PREFILL_ERRORS = [
+    prefill_case("causal-int", TypeError, r"causal: expected a bool, got int 1", causal=1),
+    prefill_case("query-2d", ValueError, r"query: expected a 3-D array \[total_query_tokens, num_heads, head_size\]",
+                 query=lambda a: a["query"][0]),
+    prefill_case("query-head-size", NotImplementedError, r"query: head_size 48 is not supported",
+                 query=lambda a: rand((TOTAL_Q, NUM_HEADS, 48))),
+    prefill_case("query-dtype", ValueError, r"query: expected dtype float32, float16 or bfloat16, got float64",
+                 query=lambda a: a["query"].astype(np.float64)),
+    prefill_case("key_cache-dtype", ValueError, r"key_cache: expected dtype float32 \(the query's\), got float16",
+                 key_cache=lambda a: a["key_cache"].astype(np.float16)),
+    prefill_case("kv-heads", ValueError, r"key_cache: num_kv_heads \(2\) must divide the query's num_heads \(3\)",
+                 query=lambda a: a["query"][:, :3], alibi_slopes=None, attn_bias=None),
+    prefill_case("query_start_loc-shape", ValueError, r"query_start_loc: expected shape \(4,\) \[num_seqs \+ 1\]",
+                 query_start_loc=lambda a: a["query_start_loc"][:3]),
+    prefill_case("query_start_loc-dtype", ValueError, r"query_start_loc: expected dtype int32, got int64",
+                 query_start_loc=lambda a: a["query_start_loc"].astype(np.int64)),
+    prefill_case("query_start_loc-not-zero", ValueError, r"query_start_loc: expected to start at 0 and end at "
+                 r"total_query_tokens=16, got 1 \.\.\. 16",
+                 query_start_loc=lambda a: replaced(a["query_start_loc"], 0, 1)),
+    prefill_case("query_start_loc-short", ValueError, r"query_start_loc: expected to start at 0 and end at "
+                 r"total_query_tokens=16, got 0 \.\.\. 15",
+                 query_start_loc=lambda a: replaced(a["query_start_loc"], 3, 15)),
+    prefill_case("query_start_loc-decreasing", ValueError, r"query_start_loc: sequence 1 has -1 query rows",
+                 query_start_loc=lambda a: replaced(a["query_start_loc"], 2, 0)),
+    prefill_case("q_len-past-seq_len", ValueError, r"query_start_loc: sequence 0 has 2 query rows but "
+                 r"seq_lens\[0\] = 1 keys", query_start_loc=lambda a: replaced(a["query_start_loc"], 1, 2)),
+    prefill_case("seq_lens-shape", ValueError, r"seq_lens: expected shape \(3,\) \[num_seqs\]",
+                 seq_lens=np.array((1, 13), np.int32)),
+    prefill_case("seq_lens-range", ValueError, r"seq_lens: sequence 2 has length 25, outside \[0, 24\]",
+                 seq_lens=np.array((1, 13, 25), np.int32)),
+    prefill_case("block-id", ValueError, r"block_tables: sequence 1 uses block id 11, outside \[0, 11\)",
+                 block_tables=lambda a: replaced(a["block_tables"], (1, 0), NUM_BLOCKS)),
+    prefill_case("bias-3d", ValueError, r"attn_bias: expected a 4-D array \[num_seqs, num_heads, max_q_len, L\]",
+                 attn_bias=lambda a: a["attn_bias"][:, :, 0]),
+    prefill_case("bias-heads", ValueError, r"attn_bias: expected shape \(num_seqs=3, num_heads=4, max_q_len",
+                 attn_bias=lambda a: a["attn_bias"][:, :2]),
+    prefill_case("bias-rows", ValueError, r"attn_bias: sequence 2 has 10 query rows, more than the bias's "
+                 r"max_q_len = 9", attn_bias=lambda a: a["attn_bias"][:, :, :9]),
+    prefill_case("bias-short", ValueError, r"seq_lens: sequence 2 has length 24, outside \[0, 20\]",
+                 attn_bias=lambda a: a["attn_bias"][..., :20]),
+    prefill_case("bias-ragged", NotImplementedError, r"attn_bias: RaggedBias is a decode bias",
+                 attn_bias=lambda a: RaggedBias(rand((40, NUM_HEADS)), np.array((0, 1, 14, 38), np.int32))),
+    prefill_case("t5-heads", ValueError, r"attn_bias.table: expected shape \(32, 4\)",
+                 attn_bias=lambda a: RelativePositionBias(rand((32, 3)))),
+    prefill_case("alibi-shape", ValueError, r"alibi_slopes: expected shape \(4,\)",
+                 alibi_slopes=lambda a: a["alibi_slopes"][:3]),
+    prefill_case("out-shape", ValueError, r"out: expected shape \(16, 4, 32\)",
+                 out=lambda a: np.empty((15, NUM_HEADS, HEAD_SIZE), np.float32)),
+    prefill_case("layout", ValueError, r"kv_layout: expected one of 'nhd', 'vllm', got 'hnd'", kv_layout="hnd"),
+    prefill_case("scale-inf", ValueError, r"scale: expected None or a finite real number", scale=math.inf),
+    prefill_case("stream-numpy", TypeError, r"stream: NumPy arrays run on the CPU", stream=0),
+    prefill_case("mixed-types", TypeError, r"query_start_loc: expected a NumPy, CuPy, PyTorch or JAX array, got "
+                 r"builtins.list", query_start_loc=[0, 1, 6, 16]),
+]
+
+
+@pytest.mark.parametrize(CASE_FIELDS, PREFILL_ERRORS)
+def test_prefill_rejects(function, base, changes, exc, match):
+    with pytest.raises(exc, match=match):
+        call(function, base, changes)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_prefill_valid_problem_runs(layout):
+    args = prefill_args(layout)
+    got = paged_prefill_attention(**args)
+    assert got.shape == (TOTAL_Q, NUM_HEADS, HEAD_SIZE) and np.isfinite(got).all()
+    assert paged_prefill_attention(**{**args, "causal": False, "attn_bias": RelativePositionBias(
+        rand((32, NUM_HEADS)), bidirectional=True)}).shape == got.shape

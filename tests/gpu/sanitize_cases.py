@@ -1,7 +1,7 @@
 """Representative launches of every kernel family, small enough for compute-sanitizer, each checked against the
-reference: MHA and GQA, single-pass and split-K, both layouts, dense and broadcast bias, ALiBi, ragged and empty
-sequences, ragged and T5 biases, and hostile device data (block ids outside the cache, negative and huge seq_lens,
-ragged-bias offsets outside their rows, slots past the cache).
+reference: decode and prefill (tensor-core and float32 kernels), MHA and GQA, single-pass and split-K, both layouts,
+dense and broadcast bias, ALiBi, ragged and empty sequences, ragged and T5 biases, and hostile device data (block
+ids outside the cache, negative and huge seq_lens, ragged-bias offsets outside their rows, slots past the cache).
 
 Run through tests/gpu/sanitize.sh (or alone: ``PYTHONPATH=.:tests python3 tests/gpu/sanitize_cases.py``).
 """
@@ -13,11 +13,13 @@ import sys
 import cupy
 import numpy as np
 from helpers import assert_close, make_problem
+from prefill_helpers import make_prefill_problem
 from test_decode_gpu import device_args, to_cupy
+from test_prefill_gpu import device_kwargs
 
 import cupy_paged_attn as cpa
-from cupy_paged_attn import decode
-from cupy_paged_attn.reference import paged_attention_ref, to_numpy
+from cupy_paged_attn import decode, prefill
+from cupy_paged_attn.reference import paged_attention_ref, paged_prefill_attention_ref, to_numpy
 
 CASES = [  # (name, make_problem keywords, force split-K)
     ("mha-bf16-d64-nhd", dict(seq_lens=[1, 17, 40, 0], num_heads=4, num_kv_heads=4, head_size=64, dtype="bf16",
@@ -47,6 +49,29 @@ def run(name: str, kwargs: dict, split: bool, rng: np.random.Generator) -> None:
     print(f"ok  {name}")
 
 
+PREFILL_CASES = [  # (name, make_prefill_problem keywords, force split-K)
+    ("prefill-bf16-gqa4-t5-causal", dict(seqs=[(70, 70), (40, 7), (0, 0), (9, 1)], num_heads=8, num_kv_heads=2,
+                                         dtype="bf16", bias="t5-causal"), False),
+    ("prefill-f16-d128-vllm-dense-bidir-split", dict(seqs=[(300, 33), (20, 20)], num_heads=4, num_kv_heads=4,
+                                                     head_size=128, dtype="f16", kv_layout="vllm", bias="dense",
+                                                     causal=False, alibi=True), True),
+    ("prefill-bf16-d256-t5-bidir", dict(seqs=[(50, 50)], num_heads=2, num_kv_heads=1, head_size=256, dtype="bf16",
+                                        bias="t5-bidir", causal=False), False),
+    ("prefill-f32-d80-simt", dict(seqs=[(33, 5), (17, 17)], num_heads=6, num_kv_heads=2, head_size=80,
+                                  bias="broadcast-rows"), False),
+]
+
+
+def run_prefill(name: str, kwargs: dict, split: bool, rng: np.random.Generator) -> None:
+    prefill._num_sms = (lambda device: 10**6) if split else (lambda device: 1)
+    p = make_prefill_problem(rng, **kwargs)
+    out = cupy.full(p.query.shape, np.nan, dtype=p.query.dtype)
+    cpa.paged_prefill_attention(*[to_cupy(a) for a in p.args()], **device_kwargs(p, to_cupy), out=out)
+    assert_close(to_numpy(out), paged_prefill_attention_ref(*p.args(), **p.kwargs()), kwargs.get("dtype", "f32"),
+                 name)
+    print(f"ok  {name}")
+
+
 def hostile(rng: np.random.Generator) -> None:
     for split in (False, True):
         decode._num_sms = (lambda device: 10**6) if split else (lambda device: 1)
@@ -63,6 +88,17 @@ def hostile(rng: np.random.Generator) -> None:
         for offsets in ([-50, 46, 2**31 - 1, total - 5, total], [3, 10, 80, 103, 2**31 - 1]):
             kw["attn_bias"] = cpa.RaggedBias(to_cupy(r.bias_kind.values), cupy.asarray(np.array(offsets, np.int32)))
             cpa.paged_attention(*args, **kw)
+    for split in (False, True):
+        prefill._num_sms = (lambda device: 10**6) if split else (lambda device: 1)
+        q = make_prefill_problem(rng, [(40, 10), (30, 30), (20, 5), (10, 10)], num_heads=4, num_kv_heads=2,
+                                 dtype="bf16", bias="dense")
+        args = [to_cupy(a) for a in q.args()]
+        tables = q.block_tables.copy()
+        tables[0, 1], tables[1, 0] = -7, 2**31 - 1
+        args[3] = cupy.asarray(tables)
+        args[4] = cupy.asarray(np.array([40, -5, 10**9, 2**31 - 1], np.int32))
+        args[5] = cupy.asarray(np.array([0, 60, -3, 2**31 - 1, 55], np.int32))  # query_start_loc out of order
+        cpa.paged_prefill_attention(*args, **device_kwargs(q, to_cupy))
     key = cupy.asarray(rng.standard_normal((4, 2, 64)).astype(np.float16))
     k_cache = cupy.asarray(rng.standard_normal((3, 16, 2, 64)).astype(np.float16))
     v_cache = k_cache.copy()
@@ -76,6 +112,8 @@ def main() -> int:
     rng = np.random.default_rng(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
     for name, kwargs, split in CASES:
         run(name, kwargs, split, rng)
+    for name, kwargs, split in PREFILL_CASES:
+        run_prefill(name, kwargs, split, rng)
     hostile(rng)
     cupy.cuda.get_current_stream().synchronize()
     return 0

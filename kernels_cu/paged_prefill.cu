@@ -1,0 +1,662 @@
+// Paged prefill / chunked-prefill attention with an additive bias: many query tokens per sequence, keys and values
+// read through a block table.
+//
+// Sequence s owns query rows query_start_loc[s] ... query_start_loc[s + 1] − 1 (q_len of them); they are the last
+// q_len of its len = seq_lens[s] keys, so query row i sits at absolute position p_i = len − q_len + i. For query
+// head h (KV head h / G) and key position j < len (j <= p_i when causal):
+//
+//   x(i, h, j) = scale·<q_ih, k_j> + alibi_h·(j − p_i) + bias(s, h, i, p_i, j)
+//   out_ih     = Σ_j softmax_j(x)·v_j                                     (float32 softmax and accumulation)
+//
+// One CTA per (M tile, KV head, partition of the keys). The M dimension of the matrix products packs (query token,
+// query head of the KV group) pairs, FlashInfer-style: packed row R = i·G + g is token i, head kvh·G + g, so a CTA
+// of kRowsPerCta rows serves e.g. 64 tokens of one head (G = 1), 8 tokens of 8 heads, or, in decode with GQA, the
+// G heads of one token. Every row carries its own position and key range, so all of these are the same code.
+//
+// 16-bit dtypes run on the tensor cores (mma.sync m16n8k16, float32 accumulators); float32 runs a plain SIMT kernel
+// (paged_prefill_simt: correct, not fast; no TF32, whose rounding would miss the 2e-5 tolerance).
+//
+// Tensor-core kernel, per CTA: 4 warps, warp w owns packed rows 16w ... 16w + 15.
+//   S = Q·Kᵀ      A = Q from registers (ldmatrix from shared memory once), B = K tile via ldmatrix
+//   online softmax on S in registers (base 2): m = running row max, l = running Σ 2^(x − m)
+//   O += P·V      A = P (the S accumulators, rounded to 16 bits), B = V tile via ldmatrix.trans
+// K and V tiles of TILE_N keys travel global -> shared by cp.async, double-buffered, one barrier per tile. Rows of
+// shared memory are padded by one 16-byte vector (an odd number of vectors per row), so the 8 rows that one
+// ldmatrix matrix reads fall in 8 different bank groups.
+//
+// Tiles: a host-sized grid of M tiles over all sequences, mapped to (sequence, tile of that sequence) by
+// paged_prefill_plan (device side: the host never reads query_start_loc). With several partitions (split-K, when
+// the grid is small) each CTA writes (acc, m, l) and paged_prefill_reduce combines them.
+#include "common.cuh"
+#include "mma.cuh"
+
+namespace cpa {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Constants
+// ---------------------------------------------------------------------------------------------------------------
+constexpr int kPrefillThreads = 128;  // 4 warps
+constexpr int kRowsPerWarp = 16;      // the M of one mma
+constexpr int kRowsPerCta = kRowsPerWarp * kPrefillThreads / kWarpSize;  // 64 packed (token, head) rows
+constexpr int kPrefillStages = 2;     // K/V tiles in shared memory: one computing, one landing
+constexpr int kRelTableMax = 640;     // floats of one per-tile relative-bias table (T5)
+constexpr int kPlanThreads = 1024;
+constexpr int kPrefillReduceThreads = 128;
+constexpr float kLog2e = 1.4426950408889634f;
+
+// std::is_same without <type_traits> (NVRTC ships no standard library headers).
+template <typename A, typename B>
+struct SameType {
+  static constexpr bool value = false;
+};
+template <typename A>
+struct SameType<A, A> {
+  static constexpr bool value = true;
+};
+
+// The query rows of sequence s, clamped into [0, total_q] whatever query_start_loc holds (the plan and the kernels
+// agree on them, so every tile the plan made exists for the kernels).
+__device__ __forceinline__ int2 query_rows(const int* query_start_loc, int s, int total_q) {
+  const int q0 = min(max(query_start_loc[s], 0), total_q);
+  const int q1 = min(max(query_start_loc[s + 1], q0), total_q);
+  return make_int2(q0, q1 - q0);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The plan: tile_info[t] = (sequence, M tile within it) for t < Σ_s ceil(q_len_s·G / kRowsPerCta), (−1, 0) for the
+// rest of the host-sized grid (num_tiles >= that sum for any valid query_start_loc; extra tiles are dropped).
+// One CTA, sequences in chunks of kPlanThreads with an exclusive scan of their tile counts.
+// ---------------------------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kPlanThreads) paged_prefill_plan(const int* __restrict__ query_start_loc,
+                                                                   int num_seqs, int total_q, int group_size,
+                                                                   int2* __restrict__ tile_info, int num_tiles) {
+  __shared__ int scan_s[kPlanThreads];
+  const int tid = threadIdx.x;
+  for (int t = tid; t < num_tiles; t += kPlanThreads) tile_info[t] = make_int2(-1, 0);
+  // Every (−1, 0) is written before any tile is assigned (the writes below may land on the same entries).
+  __syncthreads();
+  int carry = 0;
+  for (int base = 0; base < num_seqs; base += kPlanThreads) {
+    const int s = base + tid;
+    int n = 0;
+    if (s < num_seqs) {
+      const long long rows = static_cast<long long>(query_rows(query_start_loc, s, total_q).y) * group_size;
+      n = static_cast<int>(min((rows + kRowsPerCta - 1) / kRowsPerCta, static_cast<long long>(num_tiles)));
+    }
+    scan_s[tid] = n;
+    __syncthreads();  // every count is in before the scan reads its neighbours
+    // Hillis-Steele inclusive scan; each step reads, syncs, then writes.
+    for (int o = 1; o < kPlanThreads; o *= 2) {
+      const int add = tid >= o ? scan_s[tid - o] : 0;
+      __syncthreads();  // all reads of this step are done before anyone writes
+      scan_s[tid] += add;
+      __syncthreads();  // all writes of this step are done before the next step reads
+    }
+    const long long first = static_cast<long long>(carry) + scan_s[tid] - n;
+    for (int k = 0; k < n && first + k < num_tiles; ++k) tile_info[first + k] = make_int2(s, k);
+    carry = static_cast<int>(min(static_cast<long long>(carry) + scan_s[kPlanThreads - 1],
+                                 static_cast<long long>(num_tiles)));
+    __syncthreads();  // scan_s is rewritten by the next chunk
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Layout of one tensor-core specialisation (16-bit T).
+// ---------------------------------------------------------------------------------------------------------------
+template <typename T, int HEAD>
+struct PrefillLayout {
+  static constexpr int VEC = vec_elems<T>();               // 8 elements per 16-byte vector
+  static constexpr int HEAD_P = (HEAD + 15) / 16 * 16;     // head size padded to the mma's k (120 -> 128)
+  static constexpr int NV = HEAD_P / VEC;                  // vectors per padded row (even)
+  static constexpr int NV_REAL = HEAD / VEC;               // of those, vectors that hold data (the rest are zeros)
+  static constexpr int ROW = NV + 1;                       // row pitch in vectors: odd, so ldmatrix is conflict-free
+  static constexpr int TILE_N = HEAD <= 128 ? 64 : 32;     // keys per tile
+  static constexpr int KSTEPS = HEAD_P / 16;               // k steps of S = Q·Kᵀ
+  static constexpr int NT_S = TILE_N / 8;                  // n tiles of S
+  static constexpr int NT_O = HEAD_P / 8;                  // n tiles of O
+  static constexpr int COPIES = TILE_N * NV / kPrefillThreads;  // K (and V) vectors each thread copies per tile
+  static constexpr bool kQInRegs = HEAD <= 192;            // Q's A fragments in registers (else re-read per tile)
+  // Shared memory, in bytes: Q_s [kRowsPerCta][ROW], KV_s [stage][K, V][TILE_N][ROW] (16-byte vectors),
+  // ok_s [stage][TILE_N] ints, rel_s [2][kRelTableMax] floats.
+  static constexpr int kQBytes = kRowsPerCta * ROW * kVecBytes;
+  static constexpr int kKVBytes = kPrefillStages * 2 * TILE_N * ROW * kVecBytes;
+  static constexpr int kOkBytes = kPrefillStages * TILE_N * 4;
+  static constexpr int kRelBytes = 2 * kRelTableMax * 4;
+  static constexpr int kSmemBytes = kQBytes + kKVBytes + kOkBytes + kRelBytes;
+  static_assert(sizeof(T) == 2, "the tensor-core kernel takes float16 / bfloat16");
+  static_assert(HEAD % VEC == 0 && NV % 2 == 0, "whole vectors, pairs of 8-column matrices");
+  static_assert(TILE_N * NV % kPrefillThreads == 0, "every thread copies the same number of vectors");
+  static_assert(TILE_N % 16 == 0, "P·V takes keys 16 at a time");
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// The tensor-core kernel. Template parameters: T (__half / __nv_bfloat16), HEAD, cache LAYOUT, Bias = NoBias,
+// DenseBias or T5Bias (common.cuh). Run-time: page size (block_shift), causal, ALiBi, bias dtype, split.
+// ---------------------------------------------------------------------------------------------------------------
+template <typename T, int HEAD, KvLayout LAYOUT, typename Bias>
+__global__ void __launch_bounds__(kPrefillThreads, 2) paged_prefill(
+    T* __restrict__ out, long long out_stride_t, long long out_stride_h,  // [total_q, num_heads, HEAD]
+    float* __restrict__ part_acc,  // [num_parts, total_q, num_heads, HEAD], used when num_parts > 1
+    float* __restrict__ part_ml,   // [num_parts, total_q, num_heads, 2] = (m, l) in base 2
+    const T* __restrict__ query, long long q_stride_t, long long q_stride_h, int q_vec,  // [total_q, num_heads, HEAD]
+    const int* __restrict__ query_start_loc, int total_q,  // [num_seqs + 1]
+    const int2* __restrict__ tile_info,                    // [gridDim.x], from paged_prefill_plan
+    const T* __restrict__ key_cache, const T* __restrict__ value_cache, long long cache_block_stride,
+    int num_blocks, int block_shift, int num_kv_heads,
+    const int* __restrict__ block_tables, long long block_table_stride,  // [num_seqs, max_blocks_per_seq]
+    const int* __restrict__ seq_lens, int max_len, int q_limit,           // q_limit: rows a dense bias holds
+    const void* bias_ptr, const int* bias_index, long long bias_stride_0, long long bias_stride_1,
+    long long bias_stride_2, long long bias_stride_3, int bias_dtype, int bias_n, int bias_m,  // BiasArgs
+    const float* __restrict__ alibi_slopes,  // [num_heads] or null
+    float scale, int group_size, int causal, int tokens_per_part, int num_parts) {
+  using L = PrefillLayout<T, HEAD>;
+  using Cache = PagedCache<T, HEAD, LAYOUT>;
+  constexpr int NV = L::NV, NV_REAL = L::NV_REAL, ROW = L::ROW, TILE_N = L::TILE_N, KSTEPS = L::KSTEPS;
+  constexpr int NT_S = L::NT_S, NT_O = L::NT_O, COPIES = L::COPIES;
+  constexpr bool kT5 = SameType<Bias, T5Bias>::value;
+
+  extern __shared__ uint4 smem[];
+  uint4* q_s = smem;                                   // [kRowsPerCta][ROW]
+  uint4* kv_s = q_s + kRowsPerCta * ROW;               // [stage][K, V][TILE_N][ROW]
+  int* ok_s = reinterpret_cast<int*>(kv_s + kPrefillStages * 2 * TILE_N * ROW);  // [stage][TILE_N]
+  float* rel_s = reinterpret_cast<float*>(ok_s + kPrefillStages * TILE_N);        // [2][kRelTableMax]
+
+  const int2 info = tile_info[blockIdx.x];
+  const int s = info.x;
+  if (s < 0) return;  // a spare tile of the host-sized grid (uniform over the CTA: no barrier is skipped)
+  const int m0 = info.y * kRowsPerCta;  // first packed row of this CTA
+  const int kvh = blockIdx.y;
+  const int part = blockIdx.z;
+  const int G = group_size;
+  const int tid = threadIdx.x;
+  const int warp = tid / kWarpSize;
+  const int lane = tid % kWarpSize;
+  const int qr = lane / 4;  // fragment row (and row + 8)
+  const int qc = lane % 4;  // fragment column pair
+
+  const Bias bias = Bias::make(BiasArgs{bias_ptr, bias_index, {bias_stride_0, bias_stride_1, bias_stride_2,
+                                        bias_stride_3}, bias_dtype, bias_n, bias_m});
+  const typename Bias::Seq seq_bias = bias.seq(s);
+  const int2 qrows = query_rows(query_start_loc, s, total_q);
+  const int q0 = qrows.x, q_len = qrows.y;
+  const int len = seq_bias.limit(clamped_len(seq_lens, s, max_len));
+  const int pos0 = len - q_len;  // absolute position of query row 0
+  const int rows_total = q_len * G;
+  const int kstart = part * tokens_per_part;
+  const int kend = min(kstart + tokens_per_part, len);
+
+  // Rows of the whole CTA: the last one written, and the position span (for the causal key range, T5's table).
+  const int last_row = min(rows_total, m0 + kRowsPerCta) - 1;
+  const int i_first = m0 / G;
+  const int i_last = last_row / G;
+  const int p_first = pos0 + i_first;
+  const int p_last = pos0 + i_last;
+  const int loop_end = causal ? min(kend, p_last + 1) : kend;
+  const int num_tiles = loop_end > kstart ? (loop_end - kstart + TILE_N - 1) / TILE_N : 0;
+
+  // ---- This thread's two fragment rows (qr and qr + 8 of its warp): token, head, position, key range.
+  int row_i[2], row_h[2], row_p[2], row_end[2], row_off[2];
+  bool row_written[2];
+  float slope2[2];
+  int warp_min_end = 1 << 30;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int R = m0 + warp * kRowsPerWarp + qr + 8 * hf;
+    const int i = R / G;
+    const int g = R % G;
+    row_written[hf] = R < rows_total;
+    const bool keys = row_written[hf] && i < q_limit;
+    row_i[hf] = keys ? i : 0;
+    row_h[hf] = kvh * G + g;
+    row_p[hf] = keys ? pos0 + i : p_last;
+    row_end[hf] = keys ? (causal ? min(kend, pos0 + i + 1) : kend) : kstart;
+    row_off[hf] = g * (TILE_N + p_last - p_first) + p_last - row_p[hf];  // T5 table offset, see fill_rel
+    slope2[hf] = alibi_slopes != nullptr && row_written[hf] ? alibi_slopes[row_h[hf]] * kLog2e : 0.0f;
+    if (row_written[hf]) warp_min_end = min(warp_min_end, row_end[hf]);
+  }
+  // Keys before warp_min_end are keys of every written row of the warp: tiles below it need no mask.
+#pragma unroll
+  for (int o = 1; o < kWarpSize; o *= 2) warp_min_end = min(warp_min_end, __shfl_xor_sync(0xffffffffu, warp_min_end, o));
+  const bool warp_active = __any_sync(0xffffffffu, row_written[0] || row_written[1]);
+
+  // T5 through a per-tile table in shared memory: the bias depends on (head, j − p) only, so a tile needs
+  // G·(TILE_N + p_last − p_first) values instead of one load chain per logit. Too large a group: per logit.
+  const int rel_w = TILE_N + p_last - p_first;
+  const bool use_rel = kT5 && G * rel_w <= kRelTableMax;
+
+  const Cache cache{key_cache, value_cache, cache_block_stride, num_kv_heads, block_shift};
+  const int* table = block_tables + s * block_table_stride;
+  const int block_mask = (1 << block_shift) - 1;
+
+  auto k_s = [&](int st, int t, int c) -> uint4* { return &kv_s[((st * 2) * TILE_N + t) * ROW + c]; };
+  auto v_s = [&](int st, int t, int c) -> uint4* { return &kv_s[((st * 2 + 1) * TILE_N + t) * ROW + c]; };
+
+  // ---- Q tile -> shared memory (zeros for rows past the sequence and for padding), then A fragments.
+  for (int idx = tid; idx < kRowsPerCta * NV; idx += kPrefillThreads) {
+    const int r = idx / NV;
+    const int c = idx % NV;
+    const int R = m0 + r;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (R < rows_total && c < NV_REAL) {
+      const T* src = query + static_cast<long long>(q0 + R / G) * q_stride_t +
+                     static_cast<long long>(kvh * G + R % G) * q_stride_h + c * L::VEC;
+      if (q_vec) {
+        v = load_raw(src);
+      } else {
+        union {
+          uint4 raw;
+          T elem[L::VEC];
+        } u;
+#pragma unroll
+        for (int e = 0; e < L::VEC; ++e) u.elem[e] = src[e];
+        v = u.raw;
+      }
+    }
+    q_s[r * ROW + c] = v;
+  }
+
+  // T5 table of the tile at t0 into buffer b: entry (g, w) = bias of head kvh·G + g at relative position
+  // j − p = t0 + w − p_last, in base-2 units. A logit (row R, key t0 + kl) reads entry row_off + kl.
+  auto fill_rel = [&](int b, int t0) {
+    if constexpr (kT5) {
+      for (int e = tid; e < G * rel_w; e += kPrefillThreads) {
+        const int g = e / rel_w;
+        const int w = e % rel_w;
+        rel_s[b * kRelTableMax + e] = bias.value(seq_bias.load(kvh * G + g, 0, p_last, t0 + w)) * kLog2e;
+      }
+    }
+  };
+
+  // ---- Copies: block ids one tile ahead in registers, K/V by cp.async (vLLM values gathered).
+  int cblk[COPIES];
+  auto fetch_ids = [&](int t0) {
+#pragma unroll
+    for (int k = 0; k < COPIES; ++k) {
+      const int j = t0 + (tid + k * kPrefillThreads) / NV;
+      cblk[k] = j < loop_end ? table[j >> block_shift] : -1;
+    }
+  };
+  // Tile t0 into stage st; returns whether every key of it that this thread copied lies in the cache.
+  auto issue = [&](int st, int t0) -> bool {
+    bool all_ok = true;
+#pragma unroll
+    for (int k = 0; k < COPIES; ++k) {
+      const int idx = tid + k * kPrefillThreads;
+      const int t = idx / NV;
+      const int c = idx % NV;
+      const int j = t0 + t;
+      const long long blk = cblk[k];
+      const bool in_range = j < loop_end;
+      // A block id outside the cache is never dereferenced: the key is masked (validate=True reports it).
+      const bool blk_ok = blk >= 0 && blk < num_blocks;
+      const bool copy = in_range && blk_ok && c < NV_REAL;
+      all_ok = all_ok && (!in_range || blk_ok);
+      const int off = j & block_mask;
+      cp_async16(k_s(st, t, c), copy ? cache.key_vec(blk, off, kvh, c) : key_cache, copy ? kVecBytes : 0);
+      if constexpr (Cache::kValueIsVector) {
+        cp_async16(v_s(st, t, c), copy ? cache.value_vec(blk, off, kvh, c) : value_cache, copy ? kVecBytes : 0);
+      } else {
+        *v_s(st, t, c) = copy ? cache.gather_value(blk, off, kvh, c) : make_uint4(0u, 0u, 0u, 0u);
+      }
+      if (c == 0) ok_s[st * TILE_N + t] = !in_range || blk_ok;
+    }
+    cp_async_commit();
+    return all_ok;
+  };
+
+  // ---- Running state of this thread's two rows: m (base 2), l (this thread's share), acc = O.
+  float m[2] = {-inf(), -inf()};
+  float l[2] = {0.0f, 0.0f};
+  float acc[NT_O][4];
+#pragma unroll
+  for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+
+  bool ok_next = true;
+  if (num_tiles > 0) {
+    fetch_ids(kstart);
+    ok_next = issue(0, kstart);
+    fetch_ids(kstart + TILE_N);
+    if (use_rel) fill_rel(0, kstart);
+  }
+  __syncthreads();  // Q_s is complete before the warps read their fragments
+
+  unsigned qa[L::kQInRegs ? KSTEPS : 1][4];
+  if constexpr (L::kQInRegs) {
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) ldmatrix_x4(qa[kk], &q_s[(warp * kRowsPerWarp + lane % 16) * ROW + 2 * kk + lane / 16]);
+  }
+  const float scale2 = scale * kLog2e;
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int st = tile % kPrefillStages;
+    const int t0 = kstart + tile * TILE_N;
+    cp_async_wait<0>();  // this thread's copies of this tile have landed (the only group in flight)
+    // Every thread's copies of this tile (and its T5 table, its key flags) are visible, and every thread is done
+    // with the previous tile, whose stage the copies issued next overwrite. Also: are all keys of it in the cache?
+    const bool tile_ok = __syncthreads_and(ok_next);
+    if (tile + 1 < num_tiles) {
+      ok_next = issue((tile + 1) % kPrefillStages, t0 + TILE_N);
+      fetch_ids(t0 + 2 * TILE_N);
+    }
+
+    if (warp_active) {
+      const bool need_mask = !(tile_ok && t0 + TILE_N <= warp_min_end);
+      // ---- Bias bits of this tile's logits, loaded first so that they travel during the matrix product.
+      typename Bias::Raw braw[NT_S][4];
+      if constexpr (Bias::enabled) {
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int hf = e / 2;
+            const int j = t0 + nt * 8 + 2 * qc + (e & 1);
+            braw[nt][e] = typename Bias::Raw{};
+            if (!use_rel && j < row_end[hf]) braw[nt][e] = seq_bias.load(row_h[hf], row_i[hf], row_p[hf], j);
+          }
+      }
+
+      // ---- S = Q·Kᵀ: 16 rows x TILE_N keys per warp.
+      float sacc[NT_S][4];
+#pragma unroll
+      for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sacc[nt][e] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < KSTEPS; ++kk) {
+        unsigned a[4];
+        if constexpr (L::kQInRegs) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) a[e] = qa[kk][e];
+        } else {
+          ldmatrix_x4(a, &q_s[(warp * kRowsPerWarp + lane % 16) * ROW + 2 * kk + lane / 16]);
+        }
+#pragma unroll
+        for (int np = 0; np < NT_S / 2; ++np) {
+          unsigned b[4];  // keys 16np + (0..7 | 8..15) x columns 16kk + (0..7 | 8..15)
+          ldmatrix_x4(b, k_s(st, np * 16 + (lane / 16) * 8 + lane % 8, 2 * kk + (lane / 8) % 2));
+          mma_16816<T>(sacc[2 * np], a, b[0], b[1]);
+          mma_16816<T>(sacc[2 * np + 1], a, b[2], b[3]);
+        }
+      }
+
+      // ---- Logits in base 2: x = (scale·s + alibi·(j − p) + bias)·log2(e); −inf for keys a row may not see.
+#pragma unroll
+      for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int hf = e / 2;
+          const int kl = nt * 8 + 2 * qc + (e & 1);
+          const int j = t0 + kl;
+          float x = sacc[nt][e] * scale2 + slope2[hf] * static_cast<float>(j - row_p[hf]);
+          if constexpr (Bias::enabled) {
+            if (use_rel) {
+              x += rel_s[(tile & 1) * kRelTableMax + row_off[hf] + kl];
+            } else {
+              x += bias.value(braw[nt][e]) * kLog2e;
+            }
+          }
+          if (need_mask && (j >= row_end[hf] || !ok_s[st * TILE_N + kl])) x = -inf();
+          sacc[nt][e] = x;
+        }
+
+      // ---- Online softmax per row: m_new = max(m, max_j x), α = 2^(m − m_new), p = 2^(x − m_new), l = α·l + Σ p.
+      // While a row has seen no key (m_new = −inf) its reference is 0: α = 0·(nothing) and p = 0, never NaN.
+      float alpha[2], m_use[2];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        float mx = -inf();
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) mx = fmaxf(mx, fmaxf(sacc[nt][2 * hf], sacc[nt][2 * hf + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 lanes of a quad share the row
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m[hf], mx);
+        m_use[hf] = m_new == -inf() ? 0.0f : m_new;
+        alpha[hf] = exp2f(m[hf] - m_use[hf]);
+        m[hf] = m_new;
+        l[hf] *= alpha[hf];
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float p = exp2f(sacc[nt][e] - m_use[e / 2]);
+          sacc[nt][e] = p;
+          l[e / 2] += p;
+        }
+#pragma unroll
+      for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[n][e] *= alpha[e / 2];
+
+      // ---- O += P·V: the S accumulators of n tiles 2kk, 2kk + 1 are the A fragment of keys 16kk ... 16kk + 15.
+#pragma unroll
+      for (int kk = 0; kk < TILE_N / 16; ++kk) {
+        unsigned a[4];
+        a[0] = pack2<T>(sacc[2 * kk][0], sacc[2 * kk][1]);
+        a[1] = pack2<T>(sacc[2 * kk][2], sacc[2 * kk][3]);
+        a[2] = pack2<T>(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]);
+        a[3] = pack2<T>(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]);
+#pragma unroll
+        for (int np = 0; np < NT_O / 2; ++np) {
+          unsigned b[4];  // keys 16kk + (0..7 | 8..15) x columns 16np + (0..7 | 8..15), transposed
+          ldmatrix_x4_trans(b, v_s(st, kk * 16 + ((lane / 8) % 2) * 8 + lane % 8, 2 * np + lane / 16));
+          mma_16816<T>(acc[2 * np], a, b[0], b[1]);
+          mma_16816<T>(acc[2 * np + 1], a, b[2], b[3]);
+        }
+      }
+    }
+    // The next tile's T5 table, into the other buffer (last read during the previous tile, before this barrier).
+    if (use_rel && tile + 1 < num_tiles) fill_rel((tile + 1) & 1, t0 + TILE_N);
+  }
+  cp_async_wait<0>();  // no copy may still be writing shared memory when the CTA exits
+
+  // ---- Epilogue: l over the quad; out = acc / l, or (acc, m, l) for the split-K reduction.
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    l[hf] += __shfl_xor_sync(0xffffffffu, l[hf], 1);
+    l[hf] += __shfl_xor_sync(0xffffffffu, l[hf], 2);
+    if (!row_written[hf]) continue;
+    const int R = m0 + warp * kRowsPerWarp + qr + 8 * hf;
+    const long long q_row = q0 + R / G;
+    const int h = row_h[hf];
+    if (num_parts == 1) {
+      const float inv = l[hf] > 0.0f ? 1.0f / l[hf] : 0.0f;
+      T* o = out + q_row * out_stride_t + h * out_stride_h;
+#pragma unroll
+      for (int n = 0; n < NT_O; ++n) {
+        const int d = n * 8 + 2 * qc;
+        if (d < HEAD) {
+          o[d] = from_float<T>(acc[n][2 * hf] * inv);
+          o[d + 1] = from_float<T>(acc[n][2 * hf + 1] * inv);
+        }
+      }
+    } else {
+      const long long at = (static_cast<long long>(part) * total_q + q_row) * (num_kv_heads * G) + h;
+#pragma unroll
+      for (int n = 0; n < NT_O; ++n) {
+        const int d = n * 8 + 2 * qc;
+        if (d < HEAD) {
+          part_acc[at * HEAD + d] = acc[n][2 * hf];
+          part_acc[at * HEAD + d + 1] = acc[n][2 * hf + 1];
+        }
+      }
+      if (qc == 0) {
+        part_ml[at * 2] = m[hf];
+        part_ml[at * 2 + 1] = l[hf];
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The SIMT kernel (float32, or any T): the same grid, rows and outputs as paged_prefill, computed with FMAs. Each
+// warp takes packed rows warp, warp + 4, ...; per row, keys 32 at a time (lane = key) for the logits, then lanes
+// over head_size for P·V. Reads K/V straight from the cache (L1/L2), once per row: a correctness path.
+// ---------------------------------------------------------------------------------------------------------------
+template <typename T, int HEAD, KvLayout LAYOUT, typename Bias>
+__global__ void __launch_bounds__(kPrefillThreads) paged_prefill_simt(
+    T* __restrict__ out, long long out_stride_t, long long out_stride_h,
+    float* __restrict__ part_acc, float* __restrict__ part_ml,
+    const T* __restrict__ query, long long q_stride_t, long long q_stride_h, int q_vec,
+    const int* __restrict__ query_start_loc, int total_q, const int2* __restrict__ tile_info,
+    const T* __restrict__ key_cache, const T* __restrict__ value_cache, long long cache_block_stride,
+    int num_blocks, int block_shift, int num_kv_heads,
+    const int* __restrict__ block_tables, long long block_table_stride,
+    const int* __restrict__ seq_lens, int max_len, int q_limit,
+    const void* bias_ptr, const int* bias_index, long long bias_stride_0, long long bias_stride_1,
+    long long bias_stride_2, long long bias_stride_3, int bias_dtype, int bias_n, int bias_m,
+    const float* __restrict__ alibi_slopes,
+    float scale, int group_size, int causal, int tokens_per_part, int num_parts) {
+  using Cache = PagedCache<T, HEAD, LAYOUT>;
+  constexpr int DPL = (HEAD + kWarpSize - 1) / kWarpSize;  // head_size elements per lane
+  constexpr int VEC = Cache::VEC;
+
+  const int2 info = tile_info[blockIdx.x];
+  const int s = info.x;
+  if (s < 0) return;
+  const int m0 = info.y * kRowsPerCta;
+  const int kvh = blockIdx.y;
+  const int part = blockIdx.z;
+  const int G = group_size;
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+
+  const Bias bias = Bias::make(BiasArgs{bias_ptr, bias_index, {bias_stride_0, bias_stride_1, bias_stride_2,
+                                        bias_stride_3}, bias_dtype, bias_n, bias_m});
+  const typename Bias::Seq seq_bias = bias.seq(s);
+  const int2 qrows = query_rows(query_start_loc, s, total_q);
+  const int q0 = qrows.x, q_len = qrows.y;
+  const int len = seq_bias.limit(clamped_len(seq_lens, s, max_len));
+  const int pos0 = len - q_len;
+  const int kstart = part * tokens_per_part;
+  const int kend = min(kstart + tokens_per_part, len);
+  const Cache cache{key_cache, value_cache, cache_block_stride, num_kv_heads, block_shift};
+  const int* table = block_tables + s * block_table_stride;
+  const int block_mask = (1 << block_shift) - 1;
+
+  for (int r = warp; r < kRowsPerCta; r += kPrefillThreads / kWarpSize) {
+    const int R = m0 + r;
+    if (R >= q_len * G) break;
+    const int i = R / G;
+    const int h = kvh * G + R % G;
+    const int p = pos0 + i;
+    const int row_end = i >= q_limit ? kstart : causal ? min(kend, p + 1) : kend;
+    const float slope = alibi_slopes != nullptr ? alibi_slopes[h] : 0.0f;
+    const T* qp = query + static_cast<long long>(q0 + i) * q_stride_t + static_cast<long long>(h) * q_stride_h;
+    float q[DPL];
+#pragma unroll
+    for (int k = 0; k < DPL; ++k) q[k] = lane + k * kWarpSize < HEAD ? scale * to_float(qp[lane + k * kWarpSize]) : 0.0f;
+
+    // m = running max, l = running Σ exp(x − m), acc = running Σ exp(x − m)·v (lane holds columns lane + 32k).
+    float m = -inf(), l = 0.0f;
+    float acc[DPL];
+#pragma unroll
+    for (int k = 0; k < DPL; ++k) acc[k] = 0.0f;
+    for (int j0 = kstart; j0 < row_end; j0 += kWarpSize) {
+      // Logit of key j0 + lane, its dot product computed by the whole warp for each key in turn.
+      float my_x = -inf();
+      long long my_blk = -1;
+      for (int t = 0; t < kWarpSize && j0 + t < row_end; ++t) {
+        const int j = j0 + t;
+        const long long blk = table[j >> block_shift];
+        if (blk < 0 || blk >= num_blocks) continue;  // the same for every lane: masked key
+        const int off = j & block_mask;
+        float dot = 0.0f;
+#pragma unroll
+        for (int k = 0; k < DPL; ++k) {
+          const int d = lane + k * kWarpSize;
+          if (d < HEAD) dot += q[k] * to_float(cache.key_vec(blk, off, kvh, d / VEC)[d % VEC]);
+        }
+        dot = group_sum<kWarpSize>(dot);
+        if (lane == t) {
+          my_blk = blk;
+          my_x = dot + slope * static_cast<float>(j - p);
+          if constexpr (Bias::enabled) my_x += bias.value(seq_bias.load(h, i, p, j));
+        }
+      }
+      float mx = my_x;
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const float m_new = fmaxf(m, mx);
+      const float m_use = m_new == -inf() ? 0.0f : m_new;
+      const float alpha = __expf(m - m_use);
+      const float my_p = __expf(my_x - m_use);
+      m = m_new;
+      l = l * alpha + group_sum<kWarpSize>(my_p);
+#pragma unroll
+      for (int k = 0; k < DPL; ++k) acc[k] *= alpha;
+      for (int t = 0; t < kWarpSize && j0 + t < row_end; ++t) {
+        const float pt = __shfl_sync(0xffffffffu, my_p, t);
+        const long long blk = __shfl_sync(0xffffffffu, my_blk, t);
+        if (pt == 0.0f || blk < 0) continue;  // the same for every lane
+        const int off = (j0 + t) & block_mask;
+#pragma unroll
+        for (int k = 0; k < DPL; ++k) {
+          const int d = lane + k * kWarpSize;
+          if (d < HEAD) acc[k] += pt * to_float(cache.value_elem(blk, off, kvh, d));
+        }
+      }
+    }
+    if (num_parts == 1) {
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      T* o = out + static_cast<long long>(q0 + i) * out_stride_t + h * out_stride_h;
+#pragma unroll
+      for (int k = 0; k < DPL; ++k)
+        if (lane + k * kWarpSize < HEAD) o[lane + k * kWarpSize] = from_float<T>(acc[k] * inv);
+    } else {
+      // Stored in base 2 like the tensor-core kernel's, for the shared reduction.
+      const long long at = (static_cast<long long>(part) * total_q + q0 + i) * (num_kv_heads * G) + h;
+#pragma unroll
+      for (int k = 0; k < DPL; ++k)
+        if (lane + k * kWarpSize < HEAD) part_acc[at * HEAD + lane + k * kWarpSize] = acc[k];
+      if (lane == 0) {
+        part_ml[at * 2] = m * kLog2e;
+        part_ml[at * 2 + 1] = l;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Split-K reduction, one CTA per (M tile, KV head), the same rows as the attention CTAs:
+//   M = max_p m_p,  w_p = 2^(m_p − M),  out = Σ_p w_p·acc_p / Σ_p w_p·l_p   (zeros when no key contributes).
+// ---------------------------------------------------------------------------------------------------------------
+template <typename T, int HEAD>
+__global__ void __launch_bounds__(kPrefillReduceThreads) paged_prefill_reduce(
+    T* __restrict__ out, long long out_stride_t, long long out_stride_h,
+    const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+    const int* __restrict__ query_start_loc, int total_q, const int2* __restrict__ tile_info,
+    int num_kv_heads, int group_size, int num_parts) {
+  const int2 info = tile_info[blockIdx.x];
+  if (info.x < 0) return;
+  const int2 qrows = query_rows(query_start_loc, info.x, total_q);
+  const int G = group_size;
+  const int m0 = info.y * kRowsPerCta;
+  const int rows = min(qrows.y * G - m0, kRowsPerCta);
+  const int num_heads = num_kv_heads * G;
+  const long long part_stride = static_cast<long long>(total_q) * num_heads;
+  for (int idx = threadIdx.x; idx < rows * HEAD; idx += kPrefillReduceThreads) {
+    const int R = m0 + idx / HEAD;
+    const int d = idx % HEAD;
+    const long long q_row = qrows.x + R / G;
+    const int h = blockIdx.y * G + R % G;
+    const long long at = q_row * num_heads + h;
+    float big_m = -inf();
+    for (int p = 0; p < num_parts; ++p) big_m = fmaxf(big_m, part_ml[(p * part_stride + at) * 2]);
+    float big_l = 0.0f, o = 0.0f;
+    if (big_m != -inf()) {
+      for (int p = 0; p < num_parts; ++p) {
+        const float mp = part_ml[(p * part_stride + at) * 2];
+        if (mp == -inf()) continue;  // that partition saw no key of this row: its acc was never needed
+        const float w = exp2f(mp - big_m);
+        big_l += w * part_ml[(p * part_stride + at) * 2 + 1];
+        o += w * part_acc[(p * part_stride + at) * HEAD + d];
+      }
+    }
+    out[q_row * out_stride_t + h * out_stride_h + d] = from_float<T>(big_l > 0.0f ? o / big_l : 0.0f);
+  }
+}
+
+}  // namespace cpa
