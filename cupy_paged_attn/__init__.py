@@ -6,7 +6,14 @@ reference), and answers in the caller's own type.
 """
 
 from . import reference
-from .bias import RaggedBias, RelativePositionBias, alibi_slopes, t5_position_bias, t5_relative_position_bucket
+from .bias import (
+    RaggedBias,
+    RelativePositionBias,
+    alibi_slopes,
+    t5_bucket_table,
+    t5_position_bias,
+    t5_relative_position_bucket,
+)
 from .cache import reshape_and_cache
 from .decode import DecodePlan, paged_attention
 from .prefill import paged_prefill_attention
@@ -20,6 +27,7 @@ __all__ = [
     "paged_prefill_attention",
     "reference",
     "reshape_and_cache",
+    "t5_bucket_table",
     "t5_position_bias",
     "t5_relative_position_bucket",
 ]

@@ -22,6 +22,7 @@ __all__ = [
     "RaggedBias",
     "RelativePositionBias",
     "alibi_slopes",
+    "t5_bucket_table",
     "t5_position_bias",
     "t5_relative_position_bucket",
 ]
@@ -231,13 +232,13 @@ class RelativePositionBias:
 
     def __init__(self, table: Any, *, num_buckets: int = 32, max_distance: int = 128,
                  bidirectional: bool = False) -> None:
-        bidirectional, per_side, max_exact, max_distance = _t5_geometry(bidirectional, num_buckets, max_distance)
+        bidirectional, per_side, _, max_distance = _t5_geometry(bidirectional, num_buckets, max_distance)
         weights, xp, back = _interop.to_array_module("table", table)
         if weights.ndim != 2 or weights.shape[0] != num_buckets:
             raise ValueError(
                 f"table: expected shape (num_buckets={num_buckets}, num_heads), got {tuple(weights.shape)}"
             )
-        host = np.append(_bucket_table(per_side, max_exact, max_distance), per_side - 1).astype(np.int32)
+        host = t5_bucket_table(num_buckets=num_buckets, max_distance=max_distance, bidirectional=bidirectional)
         if xp is np:
             buckets = back(host)
         else:
@@ -250,9 +251,30 @@ class RelativePositionBias:
         self.per_side = per_side
         self.buckets = buckets
 
+    @classmethod
+    def from_buckets(cls, table: Any, buckets: Any, *, num_buckets: int, max_distance: int,
+                     bidirectional: bool) -> RelativePositionBias:
+        """The bias around a table and a bucket array that already exist (``buckets`` as :func:`t5_bucket_table`
+        gives it, in the table's framework and device): no allocation, no host copy, so it can be built inside a
+        traced function, a custom operator or a CUDA-graph capture. ``buckets`` is checked when the bias is used."""
+        bidirectional, per_side, _, max_distance = _t5_geometry(bidirectional, num_buckets, max_distance)
+        bias = cls.__new__(cls)
+        bias.table, bias.buckets = table, buckets
+        bias.num_buckets, bias.max_distance = int(num_buckets), max_distance
+        bias.bidirectional, bias.per_side = bidirectional, per_side
+        return bias
+
     def __repr__(self) -> str:
         return (f"RelativePositionBias(table={_describe(self.table)}, num_buckets={self.num_buckets}, "
                 f"max_distance={self.max_distance}, bidirectional={self.bidirectional})")
+
+
+def t5_bucket_table(*, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = False) -> np.ndarray:
+    """The bucket of each distance ``0 ... max_distance`` on one side (``max_distance`` stands for every farther
+    one), int32 NumPy ``[max_distance + 1]``: what :class:`RelativePositionBias` uploads and the kernels read. Keys
+    after the query add ``num_buckets // 2`` when bidirectional (and use bucket 0 when not)."""
+    _, per_side, max_exact, max_distance = _t5_geometry(bidirectional, num_buckets, max_distance)
+    return np.append(_bucket_table(per_side, max_exact, max_distance), per_side - 1).astype(np.int32)
 
 
 def _describe(x: Any) -> str:

@@ -1,0 +1,139 @@
+"""``cupy_paged_attn.jax`` inside ``jax.jit``: on the CPU (the buffer callback runs the float64 reference) wherever
+jax is installed, and on the GPU (marker ``gpu``, the kernels on XLA's stream) against the reference. Errors are
+raised at trace time, with the library's messages."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from helpers import assert_close, convert_bias, make_problem
+from prefill_helpers import make_prefill_problem
+
+from cupy_paged_attn.reference import (
+    paged_attention_ref,
+    paged_prefill_attention_ref,
+    reshape_and_cache_ref,
+    to_numpy,
+)
+
+jax = pytest.importorskip("jax")
+pytest.importorskip("jax.experimental.buffer_callback")
+cpj = pytest.importorskip("cupy_paged_attn.jax")
+jnp = jax.numpy
+
+gpu = pytest.mark.gpu
+SEQ_LENS = [1, 17, 0, 300]
+PREFILL_SEQS = [(40, 7), (17, 17), (5, 1), (0, 0)]
+
+
+def _devices(platform: str) -> list:
+    try:
+        return jax.devices(platform)
+    except RuntimeError:
+        return []
+
+
+@pytest.fixture(params=["cpu", pytest.param("gpu", marks=gpu)])
+def device(request):
+    """Where the arrays live: committed arrays make jit run there."""
+    found = _devices(request.param)
+    if not found:
+        pytest.skip(f"jax has no {request.param} device")
+    return found[0]
+
+
+def put(device, arr):
+    return None if arr is None else jax.device_put(np.ascontiguousarray(arr), device)
+
+
+def decode_args(p, device):
+    kwargs = p.kwargs()
+    return ([put(device, a) for a in p.args()],
+            {"scale": kwargs["scale"], "kv_layout": kwargs["kv_layout"], "alibi_slopes": put(device, p.alibi_slopes),
+             "attn_bias": convert_bias(kwargs["attn_bias"], functools.partial(put, device))})
+
+
+def test_missing_buffer_callback_is_a_clear_error(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "jax.experimental.buffer_callback", None)
+    with pytest.raises(ImportError, match=r"buffer_callback, added in jax 0\.6\.1; this is jax"):
+        cpj._buffer_callback()
+
+
+@pytest.mark.parametrize("bias", ["none", "dense", "ragged", "t5-causal", "t5-traced"])
+def test_decode_under_jit(rng, device, bias):
+    dtype = "bf16" if device.platform == "gpu" else "f32"
+    p = make_problem(rng, SEQ_LENS, num_heads=8, num_kv_heads=2, head_size=64, dtype=dtype,
+                     bias="t5-causal" if bias == "t5-traced" else bias, bias_dtype="f32", alibi=True)
+    args, kwargs = decode_args(p, device)
+
+    if bias == "t5-traced":  # the table is an argument of the jitted function: a tracer
+        t5 = p.bias_kind
+
+        @jax.jit
+        def run(q, kc, vc, bt, sl, table, slopes):
+            bias = cpj.relative_position_bias(table, num_buckets=t5.num_buckets, max_distance=t5.max_distance,
+                                              bidirectional=t5.bidirectional)
+            return cpj.paged_attention(q, kc, vc, bt, sl, attn_bias=bias, alibi_slopes=slopes)
+
+        out = run(*args, put(device, t5.table), kwargs["alibi_slopes"])
+    else:
+        run = jax.jit(functools.partial(cpj.paged_attention, **kwargs))
+        out = run(*args)
+        out = run(*args)  # the cached executable
+    assert isinstance(out, jax.Array) and out.dtype == args[0].dtype and out.devices() == {device}
+    assert_close(to_numpy(out), paged_attention_ref(*p.args(), **p.kwargs()), dtype, bias)
+
+
+@pytest.mark.parametrize("bias", ["none", "dense", "t5-bidir"])
+def test_prefill_under_jit(rng, device, bias):
+    dtype = "f16" if device.platform == "gpu" else "f32"
+    p = make_prefill_problem(rng, PREFILL_SEQS, num_heads=8, num_kv_heads=2, head_size=64, dtype=dtype, bias=bias,
+                             alibi=True, causal=bias != "t5-bidir")
+    kwargs = dict(p.kwargs())
+    kwargs["attn_bias"] = convert_bias(kwargs["attn_bias"], functools.partial(put, device))
+    kwargs["alibi_slopes"] = put(device, p.alibi_slopes)
+    out = jax.jit(functools.partial(cpj.paged_prefill_attention, **kwargs))(*(put(device, a) for a in p.args()))
+    assert_close(to_numpy(out), paged_prefill_attention_ref(*p.args(), **p.kwargs()), dtype, bias)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_cache_write_then_decode_under_jit(rng, device, donate):
+    """reshape_and_cache is functional (new caches; the old ones intact unless donated) and feeds the decode."""
+    dtype = "bf16" if device.platform == "gpu" else "f32"
+    p = make_problem(rng, SEQ_LENS, num_heads=8, num_kv_heads=2, head_size=64, dtype=dtype, bias="dense")
+    args, kwargs = decode_args(p, device)
+    bs = p.key_cache.shape[1]
+    key = rng.standard_normal((len(SEQ_LENS), 2, 64)).astype(p.key_cache.dtype)
+    value = rng.standard_normal(key.shape).astype(p.key_cache.dtype)
+    slots = np.array([-1 if n == 0 else p.block_tables[s, (n - 1) // bs] * bs + (n - 1) % bs
+                      for s, n in enumerate(p.seq_lens.tolist())], np.int32)
+    k_ref, v_ref = reshape_and_cache_ref(key, value, p.key_cache.copy(), p.value_cache.copy(), slots)
+
+    def step(q, kc, vc, bt, sl, bias, k, v, slot):
+        kc, vc = cpj.reshape_and_cache(k, v, kc, vc, slot)
+        return cpj.paged_attention(q, kc, vc, bt, sl, attn_bias=bias), kc, vc
+
+    run = jax.jit(step, donate_argnums=(1, 2) if donate else ())
+    out, k_new, v_new = run(*args, kwargs["attn_bias"], *(put(device, a) for a in (key, value, slots)))
+    np.testing.assert_array_equal(to_numpy(k_new), k_ref)
+    np.testing.assert_array_equal(to_numpy(v_new), v_ref)
+    expected = paged_attention_ref(p.query, k_ref, v_ref, p.block_tables, p.seq_lens, attn_bias=p.attn_bias)
+    assert_close(to_numpy(out), expected, dtype)
+    if not donate:
+        np.testing.assert_array_equal(to_numpy(args[1]), p.key_cache)  # the input is left as it was
+
+
+def test_errors_at_trace_time(rng):
+    cpu = _devices("cpu")[0]
+    p = make_problem(rng, [5, 3], num_heads=4, num_kv_heads=2, bias="dense")
+    args, _ = decode_args(p, cpu)
+    with pytest.raises(ValueError, match=r"attn_bias: expected shape \(num_seqs=2, num_heads=4"):
+        jax.jit(cpj.paged_attention).lower(*args, attn_bias=jnp.zeros((2, 3, 9)))
+    with pytest.raises(ValueError, match="block_tables: expected dtype"):
+        jax.jit(cpj.paged_attention).lower(*args[:3], args[3].astype(jnp.float32), args[4])
+    with pytest.raises(ValueError, match="slot_mapping"):
+        cpj.reshape_and_cache(args[1][0], args[1][0], args[1], args[2], jnp.zeros(3, jnp.int32))
