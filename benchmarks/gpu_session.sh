@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU session that closes a change, in calls that each fit the device tool's 10 minutes. From the repository
+# root of a source checkout on the GPU machine:
+#
+#   bash benchmarks/gpu_session.sh tests     every GPU test (8 workers), compute-sanitizer memcheck over the
+#                                            representative launches, the examples, host overhead
+#   bash benchmarks/gpu_session.sh bench     bench_decode.py and bench_prefill.py, results into $OUT (or bench_out)
+#   bash benchmarks/gpu_session.sh two-gpu   what needs two GPUs (a machine of kind nvidia-h200-x2)
+#
+# Each part ends with its summary lines; the exit status is non-zero if any step failed.
+set -uo pipefail
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX in several test workers at once must not take the whole GPU
+export NCCL_NVLS_ENABLE=0                   # NVLink multicast stays off (device/KINDS.md)
+out=${OUT:-bench_out}
+mkdir -p "$out"
+status=0
+step() {  # step NAME SECONDS COMMAND...: run, keep the tail, remember a failure
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name"
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  tail -n "${TAIL:-12}" "$out/$name.log"
+  echo "== $name: exit $rc"
+  [ $rc -ne 0 ] && status=1
+}
+
+case "${1:-tests}" in
+  tests)
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    TAIL=25 step gpu-tests 400 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/
+    TAIL=6 step sanitize 150 env TOOLS=memcheck bash tests/gpu/sanitize.sh "$out"
+    step serving-loop 60 python3 examples/serving_loop.py
+    step t5-generate 150 python3 examples/t5_generate.py
+    step host-overhead 60 python3 benchmarks/host_overhead.py --calls 1000
+    ;;
+  bench)
+    TAIL=40 step bench-decode 420 python3 benchmarks/bench_decode.py --reps 20 --out "$out"
+    TAIL=20 step bench-prefill 150 python3 benchmarks/bench_prefill.py --reps 5
+    ;;
+  two-gpu)
+    nvidia-smi --query-gpu=index,name --format=csv,noheader
+    step two-gpu-tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/ -k "second_gpu or two_gpu"
+    step tensor-parallel 200 python3 examples/tensor_parallel.py
+    ;;
+  *)
+    echo "usage: bash benchmarks/gpu_session.sh tests|bench|two-gpu" >&2
+    exit 2
+    ;;
+esac
+exit $status
