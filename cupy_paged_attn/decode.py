@@ -211,13 +211,16 @@ class DecodePlan:
     @classmethod
     def _for_problem(cls, problem: _checks.DecodeProblem, framework: str, device: int, like: Any,
                      stream: Any) -> DecodePlan:
-        """A plan for a problem already checked (paged_attention's one-off use)."""
+        """A plan for a problem already checked, for paged_attention's cache of plans: it holds no device memory
+        (its split-K workspace is allocated by each call, in stream order), so nothing it keeps can outlive a CUDA
+        graph's memory pool (torch's cudagraph trees check that every allocation is accounted for)."""
         plan = cls.__new__(cls)
-        plan._setup(problem, framework, device, like, stream)
+        plan._setup(problem, framework, device, like, stream, own_workspace=False)
         return plan
 
-    def _setup(self, problem: _checks.DecodeProblem, framework: str, device: int, like: Any, stream: Any) -> None:
-        """Everything but the operands' addresses: kernel, split, workspace, packed arguments."""
+    def _setup(self, problem: _checks.DecodeProblem, framework: str, device: int, like: Any, stream: Any,
+               own_workspace: bool = True) -> None:
+        """Everything but the operands' addresses: kernel, split, workspace (if owned), packed arguments."""
         self._problem = problem
         self._framework = framework
         self._out_dtype = _interop.signature(like, framework)[0] if framework in ("torch", "cupy") else None
@@ -229,17 +232,24 @@ class DecodePlan:
         self._args = _PackedArgs(_decode_arguments(problem, self._launch))
         self._reduce_args = _PackedArgs(_reduce_arguments(problem, self._launch))
         self._workspace = None
+        self._owns_workspace = own_workspace
         self._copies: list[Any] = []  # contiguous copies of operands made for the last launch
         self._out_strides: tuple[int, ...] = ()  # the out strides the packed arguments hold
-        if self._launch.num_parts > 1:
-            rows = problem.num_seqs * problem.num_heads * self._launch.num_parts
-            self._workspace = (
-                _interop.empty(framework, (rows, problem.head_size), np.float32, like, stream)[1],
-                _interop.empty(framework, (rows, 2), np.float32, like, stream)[1],
-            )
-            for args in (self._args, self._reduce_args):
-                args.set_pointer("part_acc", _interop.data_ptr(self._workspace[0]))
-                args.set_pointer("part_ml", _interop.data_ptr(self._workspace[1]))
+        if self._launch.num_parts > 1 and own_workspace:
+            self._workspace = self._new_workspace(like, stream)
+            self._point_at_workspace(self._workspace)
+
+    def _new_workspace(self, like: Any, stream: Any) -> tuple[Any, Any]:
+        """The split-K partials: acc [rows, head_size] and (m, l) [rows, 2], float32."""
+        p = self._problem
+        rows = p.num_seqs * p.num_heads * self._launch.num_parts
+        return (_interop.empty(self._framework, (rows, p.head_size), np.float32, like, stream)[1],
+                _interop.empty(self._framework, (rows, 2), np.float32, like, stream)[1])
+
+    def _point_at_workspace(self, workspace: tuple[Any, Any]) -> None:
+        for args in (self._args, self._reduce_args):
+            args.set_pointer("part_acc", _interop.data_ptr(workspace[0]))
+            args.set_pointer("part_ml", _interop.data_ptr(workspace[1]))
 
     @property
     def launch(self) -> DecodeLaunch:
@@ -306,9 +316,10 @@ class DecodePlan:
                 self._copies.append(x)
             slots[index[_POINTER_PARAMS[name]]] = _interop.native_pointer(x, kind)
 
-    def _point_at_problem(self, problem: _checks.DecodeProblem) -> None:
-        """Point the kernel at a checked problem's (wrapped) arrays, copying those with a strided last dimension."""
-        self._copies = []
+    def _point_at_problem(self, problem: _checks.DecodeProblem) -> list[Any]:
+        """Point the kernel at a checked problem's (wrapped) arrays, copying those with a strided last dimension;
+        returns the copies, which the caller keeps until the launch is queued."""
+        copies = []
         arrays = {"query": problem.query, "key_cache": problem.key_cache, "value_cache": problem.value_cache,
                   "block_tables": problem.block_tables, "seq_lens": problem.seq_lens,
                   "alibi_slopes": problem.alibi_slopes, "attn_bias": problem.bias.array,
@@ -318,8 +329,9 @@ class DecodePlan:
                 continue
             if name in _UNIT_STRIDE:
                 x = _interop.unit_last_stride(x)
-                self._copies.append(x)
+                copies.append(x)
             self._args.set_pointer(_POINTER_PARAMS[name], _interop.data_ptr(x))
+        return copies
 
     def _launch_into(self, out: Any, like: Any, launch_stream: Any) -> Any:
         """Launch with the operand addresses set; ``out`` None allocates the result like ``like`` (the query)."""
@@ -340,6 +352,10 @@ class DecodePlan:
             _checks.check_out(out_arr, p.query)
         if p.num_seqs == 0:
             return _interop.finish(self._framework, result)
+        workspace = None  # a call's own split-K workspace, alive until the launch is queued
+        if self._launch.num_parts > 1 and not self._owns_workspace:
+            workspace = self._new_workspace(like, launch_stream)
+            self._point_at_workspace(workspace)
         if out_arr is out:
             out_ptr, out_strides = _interop.native_pointer(out, self._framework), sig[2]
         else:
@@ -538,5 +554,7 @@ def paged_attention(
                                                                  problem.query.dtype, query, launch_stream)[0]
             return _interop.finish(framework, result)
         plan = _cached_plan(problem, framework, device, query, launch_stream)
-        plan._point_at_problem(problem)
-        return plan._launch_into(out, query, launch_stream)
+        copies = plan._point_at_problem(problem)
+        result = plan._launch_into(out, query, launch_stream)
+        del copies  # queued: the stream-ordered pool may reuse them
+        return result

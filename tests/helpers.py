@@ -212,3 +212,11 @@ def assert_close(actual: Any, expected: np.ndarray, dtype: str, what: str = "") 
     assert np.isfinite(actual).all(), f"{what}: non-finite values in the result"
     atol, rtol = TOLERANCES[dtype]
     np.testing.assert_allclose(actual, expected, atol=atol, rtol=rtol, err_msg=what)
+
+
+def assert_same(actual: Any, expected: np.ndarray) -> None:
+    """Bit for bit equal (NaN poison included: NumPy cannot compare bfloat16 NaN as equal)."""
+    actual, expected = np.ascontiguousarray(actual), np.ascontiguousarray(expected)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, (actual.dtype, actual.shape)
+    bits = np.dtype(f"u{actual.dtype.itemsize}")
+    np.testing.assert_array_equal(actual.view(bits), expected.view(bits))

@@ -8,7 +8,7 @@ import functools
 
 import numpy as np
 import pytest
-from helpers import assert_close, convert_bias, make_problem
+from helpers import assert_close, assert_same, convert_bias, make_problem
 from prefill_helpers import make_prefill_problem
 
 from cupy_paged_attn.reference import (
@@ -119,12 +119,12 @@ def test_cache_write_then_decode_under_jit(rng, device, donate):
 
     run = jax.jit(step, donate_argnums=(1, 2) if donate else ())
     out, k_new, v_new = run(*args, kwargs["attn_bias"], *(put(device, a) for a in (key, value, slots)))
-    np.testing.assert_array_equal(to_numpy(k_new), k_ref)
-    np.testing.assert_array_equal(to_numpy(v_new), v_ref)
+    assert_same(to_numpy(k_new), k_ref)
+    assert_same(to_numpy(v_new), v_ref)
     expected = paged_attention_ref(p.query, k_ref, v_ref, p.block_tables, p.seq_lens, attn_bias=p.attn_bias)
     assert_close(to_numpy(out), expected, dtype)
     if not donate:
-        np.testing.assert_array_equal(to_numpy(args[1]), p.key_cache)  # the input is left as it was
+        assert_same(to_numpy(args[1]), p.key_cache)  # the input is left as it was
 
 
 def test_errors_at_trace_time(rng):
