@@ -35,6 +35,14 @@ def heads_per_cta(group_size: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class _QueryShape:
+    """What a plan keeps of the query (and so of out): shape ``(num_seqs, num_heads, head_size)`` and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+@dataclasses.dataclass(frozen=True)
 class DecodeLaunch:
     """How one decode problem is launched: kernel specialisation and key partitioning."""
 
@@ -221,7 +229,9 @@ class DecodePlan:
     def _setup(self, problem: _checks.DecodeProblem, framework: str, device: int, like: Any, stream: Any,
                own_workspace: bool = True) -> None:
         """Everything but the operands' addresses: kernel, split, workspace (if owned), packed arguments."""
-        self._problem = problem
+        # Only the problem's static facts are kept: a plan must not keep the caller's arrays alive (an intermediate
+        # inside a torch CUDA graph would then outlive the graph's pool, which cudagraph trees refuse).
+        self._query = _QueryShape(tuple(problem.query.shape), np.dtype(problem.query.dtype))
         self._framework = framework
         self._out_dtype = _interop.signature(like, framework)[0] if framework in ("torch", "cupy") else None
         self._device = device
@@ -233,7 +243,6 @@ class DecodePlan:
         self._reduce_args = _PackedArgs(_reduce_arguments(problem, self._launch))
         self._workspace = None
         self._owns_workspace = own_workspace
-        self._copies: list[Any] = []  # contiguous copies of operands made for the last launch
         self._out_strides: tuple[int, ...] = ()  # the out strides the packed arguments hold
         if self._launch.num_parts > 1 and own_workspace:
             self._workspace = self._new_workspace(like, stream)
@@ -241,9 +250,9 @@ class DecodePlan:
 
     def _new_workspace(self, like: Any, stream: Any) -> tuple[Any, Any]:
         """The split-K partials: acc [rows, head_size] and (m, l) [rows, 2], float32."""
-        p = self._problem
-        rows = p.num_seqs * p.num_heads * self._launch.num_parts
-        return (_interop.empty(self._framework, (rows, p.head_size), np.float32, like, stream)[1],
+        num_seqs, num_heads, head_size = self._query.shape
+        rows = num_seqs * num_heads * self._launch.num_parts
+        return (_interop.empty(self._framework, (rows, head_size), np.float32, like, stream)[1],
                 _interop.empty(self._framework, (rows, 2), np.float32, like, stream)[1])
 
     def _point_at_workspace(self, workspace: tuple[Any, Any]) -> None:
@@ -289,19 +298,24 @@ class DecodePlan:
                     return self.run(query, key_cache, value_cache, block_tables, seq_lens, attn_bias=attn_bias,
                                     alibi_slopes=alibi_slopes, out=out, stream=stream)
             launch_stream = _interop.resolve_stream(stream, self._framework, self._device)
-            self._point_at(named, self._framework, launch_stream)
-            return self._launch_into(out, query, launch_stream)
+            copies = self._point_at(named, self._framework, launch_stream)
+            result = self._launch_into(out, query, launch_stream)
+            del copies  # queued: the stream-ordered pool may reuse them
+            return result
         if out is not None:
             raise TypeError("out: JAX arrays are immutable; call without out= and use the returned array")
         with _interop.launch_context(self._framework, self._device, stream) as launch_stream:
             arrays = _interop.wrap_all({k: v for k, v in named.items() if v is not None}, self._framework)
-            self._point_at(arrays, "cupy", launch_stream)
-            return self._launch_into(None, query, launch_stream)
+            copies = self._point_at(arrays, "cupy", launch_stream)
+            result = self._launch_into(None, query, launch_stream)
+            del copies
+            return result
 
-    def _point_at(self, arrays: dict[str, Any], kind: str, launch_stream: Any) -> None:
+    def _point_at(self, arrays: dict[str, Any], kind: str, launch_stream: Any) -> list[Any]:
         """Check each operand (torch or CuPy arrays, per ``kind``) against the plan and point the kernel at it.
-        An operand with a strided last dimension is copied on the launch stream; the copy lives until the next run."""
-        self._copies = []
+        An operand with a strided last dimension is copied on the launch stream; returns the copies, which the caller
+        keeps until the launch is queued."""
+        copies = []
         slots, index = self._args.slots, self._args.index
         for name, x in arrays.items():
             if x is None:
@@ -313,8 +327,9 @@ class DecodePlan:
             if name in _UNIT_STRIDE and sig[2] and sig[2][-1] != 1:
                 with _interop.stream_current(kind, launch_stream):
                     x = _interop.native_contiguous(x, kind)
-                self._copies.append(x)
+                copies.append(x)
             slots[index[_POINTER_PARAMS[name]]] = _interop.native_pointer(x, kind)
+        return copies
 
     def _point_at_problem(self, problem: _checks.DecodeProblem) -> list[Any]:
         """Point the kernel at a checked problem's (wrapped) arrays, copying those with a strided last dimension;
@@ -335,22 +350,21 @@ class DecodePlan:
 
     def _launch_into(self, out: Any, like: Any, launch_stream: Any) -> Any:
         """Launch with the operand addresses set; ``out`` None allocates the result like ``like`` (the query)."""
-        p = self._problem
+        q = self._query
         if out is None:
-            result, out_arr = _interop.empty(self._framework, tuple(p.query.shape), p.query.dtype, like,
-                                             launch_stream)
+            result, out_arr = _interop.empty(self._framework, q.shape, q.dtype, like, launch_stream)
         elif self._framework in ("torch", "cupy"):
             result, out_arr = out, out
             kind = self._framework
             sig = _interop.signature(out, kind)
-            if sig[0] != self._out_dtype or sig[1] != tuple(p.query.shape) or sig[2][-1:] not in ((1,), ()) \
+            if sig[0] != self._out_dtype or sig[1] != q.shape or sig[2][-1:] not in ((1,), ()) \
                     or sig[3] != self._device:
-                _checks.check_out(_interop.wrap("out", out, kind).array, p.query)  # names what is wrong
+                _checks.check_out(_interop.wrap("out", out, kind).array, q)  # names what is wrong
                 raise ValueError(f"out: expected an array on device {self._device} like query, got device {sig[3]}")
         else:
             result, out_arr = out, _interop.wrap("out", out, self._framework).array
-            _checks.check_out(out_arr, p.query)
-        if p.num_seqs == 0:
+            _checks.check_out(out_arr, q)
+        if q.shape[0] == 0:
             return _interop.finish(self._framework, result)
         workspace = None  # a call's own split-K workspace, alive until the launch is queued
         if self._launch.num_parts > 1 and not self._owns_workspace:
@@ -370,7 +384,7 @@ class DecodePlan:
         self._reduce_args.set_pointer("seq_lens", int(self._args.slots[self._args.index["seq_lens"]]))
         self._args.launch(self._function, self._launch.grid, _THREADS, _STAGE_BYTES, launch_stream.ptr)
         if self._launch.num_parts > 1:
-            self._reduce_args.launch(self._reduce_function, (p.num_seqs, p.num_heads, 1), _REDUCE_THREADS, 0,
+            self._reduce_args.launch(self._reduce_function, (q.shape[0], q.shape[1], 1), _REDUCE_THREADS, 0,
                                      launch_stream.ptr)
         return _interop.finish(self._framework, result)
 
@@ -395,8 +409,6 @@ def _cached_plan(problem: _checks.DecodeProblem, framework: str, device: int, li
         if len(plans) >= _MAX_PLANS_PER_THREAD:
             plans.clear()
         plan = plans[key] = DecodePlan._for_problem(problem, framework, device, like, stream)
-    else:
-        plan._problem = problem  # the same shapes; the arrays of this call
     return plan
 
 
