@@ -285,6 +285,25 @@ def check_scale(scale: Any, head_size: int) -> float:
     return value
 
 
+def _check_query_and_caches(query: Any, key_cache: Any, value_cache: Any, kv_layout: Any,
+                            q_dims: str) -> tuple[str, str, CacheGeometry]:
+    """The checks decode and prefill share: kv_layout, the query's rank, dtype, head size and heads, and the caches
+    against it. Returns ``(layout, dtype name, cache geometry)``."""
+    layout = check_layout_option(kv_layout)
+    check_ndim("query", query, 3, q_dims)
+    dtype = dtype_name("query", query)
+    _, num_heads, head_size = query.shape
+    check_head_size("query", head_size)
+    if num_heads == 0:
+        raise ValueError(f"query: expected num_heads >= 1, got shape {tuple(query.shape)}")
+    cache = check_caches(key_cache, value_cache, layout, query.dtype, head_size, "query")
+    if num_heads % cache.num_kv_heads:
+        raise ValueError(
+            f"key_cache: num_kv_heads ({cache.num_kv_heads}) must divide the query's num_heads ({num_heads})"
+        )
+    return layout, dtype, cache
+
+
 def check_decode(
     query: Any,
     key_cache: Any,
@@ -306,19 +325,9 @@ def check_decode(
     """
     if bias_arrays is None:
         bias_arrays = bias_operands(attn_bias)
-    layout = check_layout_option(kv_layout)
-    q_dims = "[num_seqs, num_heads, head_size]"
-    check_ndim("query", query, 3, q_dims)
-    dtype = dtype_name("query", query)
+    layout, dtype, cache = _check_query_and_caches(query, key_cache, value_cache, kv_layout,
+                                                   "[num_seqs, num_heads, head_size]")
     num_seqs, num_heads, head_size = query.shape
-    check_head_size("query", head_size)
-    if num_heads == 0:
-        raise ValueError(f"query: expected num_heads >= 1, got shape {tuple(query.shape)}")
-    cache = check_caches(key_cache, value_cache, layout, query.dtype, head_size, "query")
-    if num_heads % cache.num_kv_heads:
-        raise ValueError(
-            f"key_cache: num_kv_heads ({cache.num_kv_heads}) must divide the query's num_heads ({num_heads})"
-        )
 
     check_ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
     check_dtype("block_tables", block_tables, (np.int32,))
@@ -499,21 +508,11 @@ def check_prefill(
         bias_arrays = bias_operands(attn_bias)
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__} {causal!r}")
-    layout = check_layout_option(kv_layout)
-    q_dims = "[total_query_tokens, num_heads, head_size]"
-    check_ndim("query", query, 3, q_dims)
-    dtype = dtype_name("query", query)
+    layout, dtype, cache = _check_query_and_caches(query, key_cache, value_cache, kv_layout,
+                                                   "[total_query_tokens, num_heads, head_size]")
     total_q, num_heads, head_size = query.shape
-    check_head_size("query", head_size)
-    if num_heads == 0:
-        raise ValueError(f"query: expected num_heads >= 1, got shape {tuple(query.shape)}")
     if total_q >= 2**31:
         raise ValueError(f"query: at most 2**31 - 1 tokens, got {total_q}")
-    cache = check_caches(key_cache, value_cache, layout, query.dtype, head_size, "query")
-    if num_heads % cache.num_kv_heads:
-        raise ValueError(
-            f"key_cache: num_kv_heads ({cache.num_kv_heads}) must divide the query's num_heads ({num_heads})"
-        )
     check_ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
     check_dtype("block_tables", block_tables, (np.int32,))
     num_seqs, max_blocks = block_tables.shape

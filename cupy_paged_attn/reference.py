@@ -38,6 +38,17 @@ def _nhd_caches(key_cache: np.ndarray, value_cache: np.ndarray, kv_layout: str) 
     return k, v
 
 
+def _sequence_kv(p: Any, k_cache: np.ndarray, v_cache: np.ndarray, s: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sequence ``s``'s first ``n`` keys and values, float64 ``[n, num_heads, head_size]`` (each KV head repeated for
+    the query heads of its group), gathered token by token through the block table: token j lives in page
+    ``block_tables[s, j // block_size]`` at offset ``j % block_size``."""
+    pages = p.block_tables[s, : -(-n // p.cache.block_size)]
+    k = k_cache[pages].reshape(-1, p.num_kv_heads, p.head_size)[:n].astype(np.float64)
+    v = v_cache[pages].reshape(-1, p.num_kv_heads, p.head_size)[:n].astype(np.float64)
+    g = p.num_heads // p.num_kv_heads
+    return np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+
+
 def dense_bias(bias: _checks.CheckedBias, seq_lens: np.ndarray, num_seqs: int, num_heads: int) -> np.ndarray | None:
     """Any checked decode bias (NumPy arrays) as a dense float64 ``[num_seqs, num_heads, max(seq_lens)]``."""
     if bias.mode == "none":
@@ -65,19 +76,12 @@ def decode_math(problem: _checks.DecodeProblem) -> np.ndarray:
     k_cache, v_cache = _nhd_caches(p.key_cache, p.value_cache, p.kv_layout)
     bias = dense_bias(p.bias, np.asarray(p.seq_lens), p.num_seqs, p.num_heads)
     alibi = None if p.alibi_slopes is None else np.asarray(p.alibi_slopes, dtype=np.float64)
-    g = p.group_size
-    bs = p.cache.block_size
     out = np.zeros((p.num_seqs, p.num_heads, p.head_size), dtype=np.float64)
     for s in range(p.num_seqs):
         n = int(p.seq_lens[s])
         if n == 0:
             continue
-        pages = p.block_tables[s, : -(-n // bs)]
-        # Token by token through the block table: token j lives in page pages[j // bs] at offset j % bs.
-        k = k_cache[pages].reshape(-1, p.num_kv_heads, p.head_size)[:n].astype(np.float64)
-        v = v_cache[pages].reshape(-1, p.num_kv_heads, p.head_size)[:n].astype(np.float64)
-        k = np.repeat(k, g, axis=1)  # query head h reads KV head h // g
-        v = np.repeat(v, g, axis=1)
+        k, v = _sequence_kv(p, k_cache, v_cache, s, n)
         logits = p.scale * np.einsum("hd,jhd->hj", q[s], k)
         if alibi is not None:
             logits += alibi[:, None] * (np.arange(n) - n + 1)[None, :]
@@ -172,8 +176,6 @@ def prefill_math(problem: _checks.PrefillProblem) -> np.ndarray:
     k_cache, v_cache = _nhd_caches(p.key_cache, p.value_cache, p.kv_layout)
     alibi = None if p.alibi_slopes is None else np.asarray(p.alibi_slopes, dtype=np.float64)
     starts = np.asarray(p.query_start_loc)
-    g = p.group_size
-    bs = p.cache.block_size
     out = np.zeros((p.total_q, p.num_heads, p.head_size), dtype=np.float64)
     for s in range(p.num_seqs):
         n = int(p.seq_lens[s])
@@ -181,12 +183,7 @@ def prefill_math(problem: _checks.PrefillProblem) -> np.ndarray:
         q_len = q1 - q0
         if n == 0 or q_len == 0:
             continue
-        pages = p.block_tables[s, : -(-n // bs)]
-        # Token by token through the block table: token j lives in page pages[j // bs] at offset j % bs.
-        k = k_cache[pages].reshape(-1, p.num_kv_heads, p.head_size)[:n].astype(np.float64)
-        v = v_cache[pages].reshape(-1, p.num_kv_heads, p.head_size)[:n].astype(np.float64)
-        k = np.repeat(k, g, axis=1)  # query head h reads KV head h // g
-        v = np.repeat(v, g, axis=1)
+        k, v = _sequence_kv(p, k_cache, v_cache, s, n)
         pos = n - q_len + np.arange(q_len)  # absolute position of each query row
         rel = np.arange(n)[None, :] - pos[:, None]  # [q_len, n]: key position - query position
         logits = p.scale * np.einsum("ihd,jhd->ihj", q[q0:q1], k)
