@@ -218,3 +218,29 @@ def test_transformers_on_cuda_buckets_like_the_helper(num_buckets, max_distance,
                                            max_distance=max_distance)
     differ = (ours != theirs.to(ours.dtype)).nonzero().flatten()
     assert differ.numel() == 0, f"{differ.numel()} positions differ, first at n = {int(rel[differ[0]])}"
+
+
+@pytest.mark.parametrize(("num_buckets", "max_distance", "bidirectional"), T5_CONFIGS)
+def test_bucket_table_is_the_bucket_of_each_distance(num_buckets, max_distance, bidirectional):
+    """t5_bucket_table (what the kernels read) gives, for every distance on the past side, the helper's bucket."""
+    table = cpa.t5_bucket_table(num_buckets=num_buckets, max_distance=max_distance, bidirectional=bidirectional)
+    assert table.dtype == np.int32 and table.shape == (max_distance + 1,)
+    distances = np.arange(max_distance + 50)
+    expected = cpa.t5_relative_position_bucket(-distances, bidirectional=bidirectional, num_buckets=num_buckets,
+                                               max_distance=max_distance)
+    np.testing.assert_array_equal(table[np.minimum(distances, max_distance)], expected)
+
+
+def test_relative_position_bias_from_buckets_equals_the_constructor():
+    table = np.random.default_rng(1).standard_normal((32, 4)).astype(np.float32)
+    built = cpa.RelativePositionBias(table, bidirectional=True)
+    wrapped = cpa.RelativePositionBias.from_buckets(table, built.buckets, num_buckets=32, max_distance=128,
+                                                    bidirectional=True)
+    for name in ("num_buckets", "max_distance", "bidirectional", "per_side"):
+        assert getattr(wrapped, name) == getattr(built, name)
+    assert wrapped.buckets is built.buckets and wrapped.table is table
+    with pytest.raises(ValueError, match=r"max_distance: expected an int >= 17, got 4"):
+        cpa.RelativePositionBias.from_buckets(table, built.buckets, num_buckets=32, max_distance=4,
+                                              bidirectional=False)
+    with pytest.raises(ValueError, match=r"table: expected shape \(num_buckets=16, num_heads\), got \(32, 4\)"):
+        cpa.RelativePositionBias(table, num_buckets=16)
