@@ -304,6 +304,15 @@ def _check_query_and_caches(query: Any, key_cache: Any, value_cache: Any, kv_lay
     return layout, dtype, cache
 
 
+def _check_alibi_and_out(alibi_slopes: Any, out: Any, query: Any) -> None:
+    """The optional operands decode and prefill share: ``alibi_slopes`` float32 ``[num_heads]``, ``out`` like query."""
+    if alibi_slopes is not None:
+        check_shape("alibi_slopes", alibi_slopes, (query.shape[1],), "[num_heads]")
+        check_dtype("alibi_slopes", alibi_slopes, (np.float32,))
+    if out is not None:
+        check_out(out, query)
+
+
 def check_decode(
     query: Any,
     key_cache: Any,
@@ -344,11 +353,7 @@ def check_decode(
     bias = check_bias(attn_bias, bias_arrays, num_seqs, num_heads)
     if bias.length is not None:
         max_len = min(max_len, bias.length)
-    if alibi_slopes is not None:
-        check_shape("alibi_slopes", alibi_slopes, (num_heads,), "[num_heads]")
-        check_dtype("alibi_slopes", alibi_slopes, (np.float32,))
-    if out is not None:
-        check_out(out, query)
+    _check_alibi_and_out(alibi_slopes, out, query)
 
     return DecodeProblem(
         query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables, seq_lens=seq_lens,
@@ -527,11 +532,7 @@ def check_prefill(
     if bias.length is not None:
         max_len = min(max_len, bias.length)
         q_limit = int(bias.array.shape[2])
-    if alibi_slopes is not None:
-        check_shape("alibi_slopes", alibi_slopes, (num_heads,), "[num_heads]")
-        check_dtype("alibi_slopes", alibi_slopes, (np.float32,))
-    if out is not None:
-        check_out(out, query)
+    _check_alibi_and_out(alibi_slopes, out, query)
 
     return PrefillProblem(
         query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables, seq_lens=seq_lens,

@@ -50,6 +50,17 @@ def common_framework(named: dict[str, Any], optional: tuple[str, ...]) -> str:
     return first
 
 
+def call_framework(named: dict[str, Any], optional: tuple[str, ...], *, stream: Any, out: Any) -> str:
+    """:func:`common_framework` of an entry point's operands, after the refusals every entry point shares: a
+    ``stream`` for NumPy arrays (they run on the CPU) and ``out=`` for JAX arrays (immutable)."""
+    framework = common_framework(named, optional)
+    if framework == "numpy" and stream is not None:
+        raise TypeError("stream: NumPy arrays run on the CPU; expected stream=None")
+    if framework == "jax" and out is not None:
+        raise TypeError("out: JAX arrays are immutable; call without out= and use the returned array")
+    return framework
+
+
 @dataclass
 class Operand:
     """One wrapped argument: ``array`` is a NumPy array (CPU path), a CuPy array or a :class:`TorchArray`."""

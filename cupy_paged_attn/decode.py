@@ -302,7 +302,7 @@ class DecodePlan:
             result = self._launch_into(out, query, launch_stream)
             del copies  # queued: the stream-ordered pool may reuse them
             return result
-        if out is not None:
+        if out is not None:  # the slow path imports the operands (JAX, DLPack producers): out= is not written there
             raise TypeError("out: JAX arrays are immutable; call without out= and use the returned array")
         with _interop.launch_context(self._framework, self._device, stream) as launch_stream:
             arrays = _interop.wrap_all({k: v for k, v in named.items() if v is not None}, self._framework)
@@ -536,17 +536,13 @@ def paged_attention(
     kernel read or write out of bounds.
     """
     named = {**_operands(query, key_cache, value_cache, block_tables, seq_lens, attn_bias, alibi_slopes), "out": out}
-    framework = _interop.common_framework(named, optional=("attn_bias", "alibi_slopes", "out"))
+    framework = _interop.call_framework(named, ("attn_bias", "alibi_slopes", "out"), stream=stream, out=out)
     if framework == "numpy":
-        if stream is not None:
-            raise TypeError("stream: NumPy arrays run on the CPU; expected stream=None")
         result = reference.paged_attention_ref(
             query, key_cache, value_cache, block_tables, seq_lens,
             scale=scale, attn_bias=attn_bias, alibi_slopes=alibi_slopes, kv_layout=kv_layout, out=out,
         )
         return result if out is not None else result.astype(query.dtype)
-    if framework == "jax" and out is not None:
-        raise TypeError("out: JAX arrays are immutable; call without out= and use the returned array")
 
     device = _interop.device_of("query", query, framework)
     with _interop.launch_context(framework, device, stream) as launch_stream:

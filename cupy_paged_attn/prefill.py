@@ -207,17 +207,13 @@ def paged_prefill_attention(
         "seq_lens": seq_lens, "query_start_loc": query_start_loc, **_checks.bias_operands(attn_bias),
         "alibi_slopes": alibi_slopes, "out": out,
     }
-    framework = _interop.common_framework(named, optional=("attn_bias", "alibi_slopes", "out"))
+    framework = _interop.call_framework(named, ("attn_bias", "alibi_slopes", "out"), stream=stream, out=out)
     if framework == "numpy":
-        if stream is not None:
-            raise TypeError("stream: NumPy arrays run on the CPU; expected stream=None")
         result = reference.paged_prefill_attention_ref(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, causal=causal, scale=scale,
             attn_bias=attn_bias, alibi_slopes=alibi_slopes, kv_layout=kv_layout, out=out,
         )
         return result if out is not None else result.astype(query.dtype)
-    if framework == "jax" and out is not None:
-        raise TypeError("out: JAX arrays are immutable; call without out= and use the returned array")
 
     device = _interop.device_of("query", query, framework)
     with _interop.launch_context(framework, device, stream) as launch_stream:

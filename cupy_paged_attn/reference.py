@@ -97,6 +97,19 @@ def decode_math(problem: _checks.DecodeProblem) -> np.ndarray:
     return out
 
 
+def _check_numpy_out(out: Any) -> None:
+    if out is not None and not isinstance(out, np.ndarray):
+        raise TypeError(f"out: the reference writes NumPy arrays only, got {type(out).__name__}")
+
+
+def _into(out: np.ndarray | None, result: np.ndarray) -> np.ndarray:
+    """The float64 ``result``, or ``out`` with the result cast into it."""
+    if out is None:
+        return result
+    out[...] = result.astype(out.dtype)
+    return out
+
+
 def paged_attention_ref(
     query: Any,
     key_cache: Any,
@@ -127,18 +140,14 @@ def paged_attention_ref(
     """
     arrays = [to_numpy(a) for a in (query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes)]
     bias_arrays = {name: to_numpy(a) for name, a in _checks.bias_operands(attn_bias).items()}
-    if out is not None and not isinstance(out, np.ndarray):
-        raise TypeError(f"out: the reference writes NumPy arrays only, got {type(out).__name__}")
+    _check_numpy_out(out)
     problem = _checks.check_decode(
         *arrays[:5], scale=scale, attn_bias=attn_bias, alibi_slopes=arrays[5], kv_layout=kv_layout, out=out,
         bias_arrays=bias_arrays,
     )
     _checks.check_host_data(problem)
     result = decode_math(problem)
-    if out is None:
-        return result
-    out[...] = result.astype(out.dtype)
-    return out
+    return _into(out, result)
 
 
 def reshape_and_cache_ref(
@@ -240,15 +249,11 @@ def paged_prefill_attention_ref(
     arrays = [to_numpy(a) for a in (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                     alibi_slopes)]
     bias_arrays = {name: to_numpy(a) for name, a in _checks.bias_operands(attn_bias).items()}
-    if out is not None and not isinstance(out, np.ndarray):
-        raise TypeError(f"out: the reference writes NumPy arrays only, got {type(out).__name__}")
+    _check_numpy_out(out)
     problem = _checks.check_prefill(
         *arrays[:6], causal=causal, scale=scale, attn_bias=attn_bias, alibi_slopes=arrays[6], kv_layout=kv_layout,
         out=out, bias_arrays=bias_arrays,
     )
     _checks.check_prefill_host_data(problem)
     result = prefill_math(problem)
-    if out is None:
-        return result
-    out[...] = result.astype(out.dtype)
-    return out
+    return _into(out, result)

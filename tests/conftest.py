@@ -1,4 +1,5 @@
-"""Shared fixtures: a fresh random generator per test, and the `gpu` marker's clean skip without a GPU."""
+"""Shared fixtures: a fresh random generator per test, the choice of the single-pass or split-K path, and the
+`gpu` marker's clean skip without a GPU."""
 
 from __future__ import annotations
 
@@ -34,3 +35,15 @@ def rng(request: pytest.FixtureRequest) -> np.random.Generator:
     request.node.user_properties.append(("seed", seed))
     print(f"seed={seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(params=["single-pass", "split-k"])
+def split(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Force one path of decode and prefill: a 1-SM GPU never splits the keys; a huge one always does (as far as
+    the keys allow)."""
+    from cupy_paged_attn import decode, prefill
+
+    sms = 1 if request.param == "single-pass" else 10**6
+    for module in (decode, prefill):
+        monkeypatch.setattr(module, "_num_sms", lambda device: sms)
+    return request.param

@@ -76,13 +76,6 @@ def captured(call):
     return graph
 
 
-@pytest.fixture(params=["single-pass", "split-k"])
-def split(request, monkeypatch):
-    """Force one path: a 1-SM GPU never splits; a huge one always does (as far as the keys allow)."""
-    monkeypatch.setattr(decode, "_num_sms", lambda device: 1 if request.param == "single-pass" else 10**6)
-    return request.param
-
-
 def run_cupy(p, poison_out=True):
     import cupy
 

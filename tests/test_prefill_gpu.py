@@ -32,13 +32,6 @@ GRID = [
 ]
 
 
-@pytest.fixture(params=["single-pass", "split-k"])
-def split(request, monkeypatch):
-    """Force one path: a 1-SM GPU never splits; a huge one always does (as far as the keys allow)."""
-    monkeypatch.setattr(prefill, "_num_sms", lambda device: 1 if request.param == "single-pass" else 10**6)
-    return request.param
-
-
 def device_kwargs(p, convert):
     kwargs = p.kwargs()
     bias = p.attn_bias
