@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import torch
 
+from . import _interop
 from . import cache as _cache
 from . import decode as _decode
 from . import prefill as _prefill
@@ -51,12 +51,7 @@ _TAIL = "Tensor? alibi_slopes, float? scale, str kv_layout"
 # ---------------------------------------------------------------------------------------------------------------
 def _host_view(t: Tensor | None) -> np.ndarray | None:
     """A NumPy view sharing ``t``'s memory (a CPU tensor; bfloat16 through ml_dtypes), strides kept."""
-    if t is None:
-        return None
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
+    return None if t is None else _interop.to_array_module("tensor", t)[0]
 
 
 def _lib(t: Tensor | None) -> Any:
