@@ -197,8 +197,8 @@ def to_array_module(name: str, x: Any) -> tuple[Any, Any, Callable[[Any], Any]]:
 
         t = x.detach()
         if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16), np, _torch_from_numpy
-        return t.numpy(), np, _torch_from_numpy
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16), np, torch_from_numpy
+        return t.numpy(), np, torch_from_numpy
     if top in ("jax", "jaxlib"):
         import jax
 
@@ -221,7 +221,8 @@ def _identity(x: Any) -> Any:
     return x
 
 
-def _torch_from_numpy(arr: np.ndarray) -> Any:
+def torch_from_numpy(arr: np.ndarray) -> Any:
+    """A CPU tensor over a NumPy array (over a contiguous copy if it is not contiguous); bfloat16 through its bits."""
     import torch
 
     arr = np.ascontiguousarray(arr)

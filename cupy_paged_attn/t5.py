@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _interop
 from .bias import RelativePositionBias
 from .cache import reshape_and_cache
 from .decode import paged_attention
@@ -108,19 +109,7 @@ class _Batch:
 
 def _host_view(t: torch.Tensor) -> np.ndarray:
     """A NumPy view of a CPU tensor, sharing its memory (bfloat16 as ml_dtypes' bfloat16)."""
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
-def _from_host(a: np.ndarray) -> torch.Tensor:
-    """A CPU tensor over a NumPy result (bfloat16 through its bits)."""
-    if a.dtype.name == "bfloat16":
-        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(a))
+    return _interop.to_array_module("tensor", t)[0]
 
 
 def _clamp_fp16(h: torch.Tensor) -> torch.Tensor:
@@ -230,7 +219,7 @@ class PagedT5:
 
     def _torch(self, a: Any) -> torch.Tensor:
         """A library result back as a tensor of the model's dtype."""
-        return _from_host(a).to(self.dtype) if self._cpu else a
+        return _interop.torch_from_numpy(a).to(self.dtype) if self._cpu else a
 
     def _heads_of(self, x: torch.Tensor) -> torch.Tensor:
         """``[tokens, num_heads * d_kv]`` → ``[tokens, num_heads, d_kv]`` (a view)."""
