@@ -129,7 +129,7 @@ def check_caches(key_cache: Any, value_cache: Any, kv_layout: str, dtype: Any, h
         return CacheGeometry(0, block_size, num_kv_heads, d, page)
     k_strides, v_strides = element_strides(key_cache), element_strides(value_cache)
     for name, cache, strides in (("key_cache", key_cache, k_strides), ("value_cache", value_cache, v_strides)):
-        inner = _contiguous_strides(cache.shape[1:])
+        inner = contiguous_strides(cache.shape[1:])
         # A dimension of size 1 may carry any stride.
         if any(n > 1 and have != want for n, have, want in zip(cache.shape[1:], strides[1:], inner, strict=True)):
             raise ValueError(
@@ -147,7 +147,8 @@ def check_caches(key_cache: Any, value_cache: Any, kv_layout: str, dtype: Any, h
     return CacheGeometry(num_blocks, block_size, num_kv_heads, d, k_strides[0] if num_blocks > 1 else page)
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a C-contiguous array of ``shape``."""
     strides, acc = [], 1
     for n in reversed(shape):
         strides.append(acc)

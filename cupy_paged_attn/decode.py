@@ -138,7 +138,7 @@ def _kernel_strides(arr: Any) -> tuple[int, ...]:
     strides = _checks.element_strides(arr)
     if not strides or strides[-1] == 1:
         return strides
-    return tuple(int(np.prod(arr.shape[i + 1:])) for i in range(len(arr.shape)))
+    return _checks.contiguous_strides(tuple(arr.shape))
 
 
 def _reduce_arguments(p: _checks.DecodeProblem, launch: DecodeLaunch) -> list[tuple[str, np.generic]]:

@@ -119,7 +119,7 @@ def _stand_in(x: Any) -> np.ndarray | None:
         return None
     dtype = np.dtype(x.dtype)
     shape = tuple(int(n) for n in x.shape)
-    strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * dtype.itemsize for i in range(len(shape)))
+    strides = tuple(n * dtype.itemsize for n in _checks.contiguous_strides(shape))
     return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape, strides, writeable=False)
 
 
