@@ -52,6 +52,19 @@ class DecodeLaunch:
     num_parts: int
 
 
+def split_keys(ctas: int, max_len: int, num_sms: int, tile: int) -> tuple[int, int]:
+    """``(tokens_per_part, num_parts)`` for a grid of ``ctas`` CTAs over keys ``[0, max_len)``: one partition when
+    the grid already fills the GPU, else partitions of whole ``tile`` multiples (never shorter than
+    ``_MIN_PART_TOKENS`` when split) until it holds about ``_CTAS_PER_SM_TARGET`` CTAs per SM. No partition is
+    empty. Decode and prefill split alike."""
+    parts = 1
+    if 0 < ctas < _SPLIT_BELOW_CTAS_PER_SM * num_sms:
+        parts = min(-(-_CTAS_PER_SM_TARGET * num_sms // ctas), max(1, -(-max_len // _MIN_PART_TOKENS)))
+    per_part = -(-max_len // parts)
+    tokens_per_part = max(tile, -(-per_part // tile) * tile)
+    return tokens_per_part, max(1, -(-max_len // tokens_per_part))
+
+
 def plan_decode(problem: _checks.DecodeProblem, num_sms: int) -> DecodeLaunch:
     """Choose the kernel and the split: one partition when the grid already fills the GPU, else split the keys.
 
@@ -61,13 +74,7 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int) -> DecodeLaunch:
     p = problem
     hg = heads_per_cta(p.group_size)
     chunks = -(-p.group_size // hg)
-    ctas = p.num_seqs * p.num_kv_heads * chunks
-    parts = 1
-    if 0 < ctas < _SPLIT_BELOW_CTAS_PER_SM * num_sms:
-        parts = min(-(-_CTAS_PER_SM_TARGET * num_sms // ctas), max(1, -(-p.max_len // _MIN_PART_TOKENS)))
-    per_part = -(-p.max_len // parts)
-    tokens_per_part = max(_TILE_MULTIPLE, -(-per_part // _TILE_MULTIPLE) * _TILE_MULTIPLE)
-    parts = max(1, -(-p.max_len // tokens_per_part))
+    tokens_per_part, parts = split_keys(p.num_seqs * p.num_kv_heads * chunks, p.max_len, num_sms, _TILE_MULTIPLE)
     spec = _compile.DecodeSpec(p.dtype, p.head_size, p.kv_layout, hg, p.bias.mode)
     return DecodeLaunch(spec, (p.num_seqs, p.num_kv_heads * chunks, parts), tokens_per_part, parts)
 

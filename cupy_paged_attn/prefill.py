@@ -9,14 +9,11 @@ from typing import Any
 import numpy as np
 
 from . import _checks, _compile, _interop, reference
-from .decode import _num_sms
+from .decode import _num_sms, split_keys
 
 __all__ = ["paged_prefill_attention"]
 
 _ROWS = _compile.PREFILL_ROWS_PER_CTA  # packed (query token, query head) rows per CTA
-_MIN_PART_TOKENS = 256  # a split-K partition is never shorter
-_SPLIT_BELOW_CTAS_PER_SM = 2  # fewer CTAs than this per SM cannot fill the GPU: split the keys
-_CTAS_PER_SM_TARGET = 4  # then split until the grid holds about this many CTAs per SM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,14 +38,8 @@ def plan_prefill(problem: _checks.PrefillProblem, num_sms: int) -> PrefillLaunch
     g = p.group_size
     full_tiles = -(-p.total_q * g // _ROWS)
     num_tiles = full_tiles + p.num_seqs
-    ctas = max(1, full_tiles * p.num_kv_heads)
-    tile = _compile.prefill_tile_keys(p.head_size)
-    parts = 1
-    if ctas < _SPLIT_BELOW_CTAS_PER_SM * num_sms:
-        parts = min(-(-_CTAS_PER_SM_TARGET * num_sms // ctas), max(1, -(-p.max_len // _MIN_PART_TOKENS)))
-    per_part = -(-max(p.max_len, 1) // parts)
-    tokens_per_part = -(-per_part // tile) * tile
-    parts = max(1, -(-p.max_len // tokens_per_part))
+    tokens_per_part, parts = split_keys(max(1, full_tiles * p.num_kv_heads), p.max_len, num_sms,
+                                        _compile.prefill_tile_keys(p.head_size))
     spec = _compile.PrefillSpec(p.dtype, p.head_size, p.kv_layout, p.bias.mode)
     return PrefillLaunch(spec, num_tiles, tokens_per_part, parts)
 
