@@ -1,4 +1,6 @@
-"""Run one decode case a few times (for ``ncu`` / ``compute-sanitizer`` runs, and quick timing by CUDA events).
+"""Run one decode or prefill case a few times (for ``ncu`` / ``compute-sanitizer`` runs, and quick timing by CUDA
+events). ``--prefill`` runs paged_prefill_attention with every sequence's whole length as its query rows
+(``--causal`` to mask); TFLOP/s count 4·d per (query, head, key) pair kept.
 
 Run on a GPU machine, e.g.::
 
@@ -23,6 +25,9 @@ def main() -> None:
     parser.add_argument("--bias", default="none", choices=["none", "dense", "ragged", "t5"])
     parser.add_argument("--layout", default="nhd")
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--prefill", action="store_true", help="q_len = length for every sequence")
+    parser.add_argument("--causal", action="store_true", help="prefill: mask keys after each query")
+    parser.add_argument("--q-len", type=int, default=0, help="prefill: query rows per sequence (default: length)")
     parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                         help="compile the kernels with -DNAME=VALUE (tuning experiments)")
     args = parser.parse_args()
@@ -57,16 +62,39 @@ def main() -> None:
         bias = cpa.RaggedBias(torch.randn(b * n, hq, device="cuda", dtype=dtype), offsets)
     elif args.bias == "t5":
         bias = cpa.RelativePositionBias(torch.randn(32, hq, device="cuda", dtype=dtype), bidirectional=False)
+    q_len = args.q_len or n
+    if args.prefill:
+        q = torch.randn(b * q_len, hq, d, device="cuda", dtype=dtype)
+        starts = torch.arange(0, (b + 1) * q_len, q_len, device="cuda", dtype=torch.int32)
+        if args.bias == "dense":
+            bias = torch.randn(b, hq, q_len, n, device="cuda", dtype=dtype)
+        elif args.bias == "t5":
+            bias = cpa.RelativePositionBias(bias.table, bidirectional=not args.causal)
     out = torch.empty_like(q)
+
+    def call() -> None:
+        if args.prefill:
+            cpa.paged_prefill_attention(q, k, v, tables, lens, starts, causal=args.causal, attn_bias=bias,
+                                        kv_layout=args.layout, out=out)
+        else:
+            cpa.paged_attention(q, k, v, tables, lens, attn_bias=bias, kv_layout=args.layout, out=out)
+
     for _ in range(3):
-        cpa.paged_attention(q, k, v, tables, lens, attn_bias=bias, kv_layout=args.layout, out=out)
+        call()
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(args.calls):
-        cpa.paged_attention(q, k, v, tables, lens, attn_bias=bias, kv_layout=args.layout, out=out)
+        call()
     stop.record()
     torch.cuda.synchronize()
     us = start.elapsed_time(stop) * 1e3 / args.calls
+    if args.prefill:
+        pairs = b * q_len * (n - (q_len - 1) / 2) if args.causal else b * q_len * n
+        nbytes = 2 * b * n * hkv * d * q.element_size()
+        print(f"prefill B{b} H{hq}/{hkv} d{d} L{n} q_len {q_len} {'causal' if args.causal else 'full'} "
+              f"bias={args.bias} {args.layout} {' '.join(args.define)}: {us:.1f} us/call, "
+              f"{4 * pairs * hq * d / us / 1e6:.0f} TFLOP/s, {nbytes / us / 1e3:.0f} GB/s (K+V bytes)")
+        return
     bias_bytes = b * hq * n * q.element_size() if args.bias in ("dense", "ragged") else 0
     nbytes = 2 * b * n * hkv * d * q.element_size() + bias_bytes
     print(f"B{b} H{hq}/{hkv} d{d} L{n} bias={args.bias} {args.layout} {' '.join(args.define)}: {us:.1f} us/call, "

@@ -125,6 +125,9 @@ def check_caches(key_cache: Any, value_cache: Any, kv_layout: str, dtype: Any, h
             f"{_compile.BLOCK_SIZES[-1]}"
         )
     page = math.prod(key_cache.shape[1:])
+    if page >= 2**31:  # the kernels address within a page in 32 bits
+        raise ValueError(f"key_cache: a page (block_size x num_kv_heads x head_size) must hold fewer than 2**31 "
+                         f"elements, got {page}")
     if num_blocks == 0:  # an empty cache holds no memory to check (NumPy gives it zero strides)
         return CacheGeometry(0, block_size, num_kv_heads, d, page)
     k_strides, v_strides = element_strides(key_cache), element_strides(value_cache)

@@ -207,6 +207,7 @@ PREFILL_ROWS_PER_CTA = 64
 PREFILL_PLAN_THREADS = 1024
 PREFILL_REDUCE_THREADS = 128
 _PREFILL_STAGES = 2
+_PREFILL_PAGE_BUFFERS = 3
 _PREFILL_REL_TABLE = 640
 
 
@@ -221,8 +222,8 @@ def prefill_smem_bytes(dtype: str, head_size: int) -> int:
         return 0
     row = (-(-head_size // 16) * 16) // 8 + 1  # 16-byte vectors per padded row
     tile = prefill_tile_keys(head_size)
-    return (PREFILL_ROWS_PER_CTA * row * 16 + _PREFILL_STAGES * 2 * tile * row * 16 + _PREFILL_STAGES * tile * 4
-            + 2 * _PREFILL_REL_TABLE * 4)
+    return (PREFILL_ROWS_PER_CTA * row * 16 + _PREFILL_STAGES * 2 * tile * row * 16 + _PREFILL_PAGE_BUFFERS * tile * 8
+            + (2 * _PREFILL_REL_TABLE + 2 * PREFILL_ROWS_PER_CTA) * 4)
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,23 @@ struct PagedCache {
   int num_kv_heads;
   int block_shift;  // log2(block_size): pages hold a power of two of tokens
 
+  // Offset in elements, within a page, of token off's key vector c of head kvh (NHD: of its value vector too); it
+  // grows by token_stride() per token. 32-bit: a page holds fewer than 2**31 elements (checked on the host).
+  __device__ __forceinline__ int page_offset(int off, int kvh, int c) const {
+    if constexpr (LAYOUT == KvLayout::kNHD) {
+      return (off * num_kv_heads + kvh) * HEAD + c * VEC;
+    } else {
+      return (((kvh * (HEAD / VEC) + c) << block_shift) + off) * VEC;
+    }
+  }
+  __device__ __forceinline__ int token_stride() const {
+    return LAYOUT == KvLayout::kNHD ? num_kv_heads * HEAD : VEC;
+  }
+  // How page_offset grows per key vector c: page_offset(off, kvh, c) = page_offset(off, kvh, 0) + c·vector_stride().
+  __device__ __forceinline__ int vector_stride() const {
+    return LAYOUT == KvLayout::kNHD ? VEC : VEC << block_shift;
+  }
+
   __device__ __forceinline__ const T* key_vec(long long blk, int off, int kvh, int c) const {
     if constexpr (LAYOUT == KvLayout::kNHD) {
       return key + blk * block_stride + (static_cast<long long>(off) * num_kv_heads + kvh) * HEAD + c * VEC;
@@ -219,10 +236,12 @@ __device__ __forceinline__ unsigned load_bias_bits(const void* p, long long i, i
                            : static_cast<unsigned>(__ldg(static_cast<const unsigned short*>(p) + i));
 }
 
+// Selects, not branches: the kernels convert one bias value per logit in unrolled loops, where a branch per dtype
+// would multiply the code (prefill's inner loop grew past the instruction cache that way).
 __device__ __forceinline__ float bias_bits_to_float(unsigned bits, int dtype) {
-  if (dtype == kBiasF32) return __uint_as_float(bits);
-  if (dtype == kBiasF16) return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
-  return __uint_as_float(bits << 16);  // bfloat16 is the upper half of a float32
+  const float as_half = __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+  const float as_wide = __uint_as_float(dtype == kBiasF32 ? bits : bits << 16);  // bfloat16: a float32's upper half
+  return dtype == kBiasF16 ? as_half : as_wide;
 }
 
 struct NoBias {

@@ -20,9 +20,15 @@
 //   S = Q·Kᵀ      A = Q from registers (ldmatrix from shared memory once), B = K tile via ldmatrix
 //   online softmax on S in registers (base 2): m = running row max, l = running Σ 2^(x − m)
 //   O += P·V      A = P (the S accumulators, rounded to 16 bits), B = V tile via ldmatrix.trans
-// K and V tiles of TILE_N keys travel global -> shared by cp.async, double-buffered, one barrier per tile. Rows of
-// shared memory are padded by one 16-byte vector (an odd number of vectors per row), so the 8 rows that one
-// ldmatrix matrix reads fall in 8 different bank groups.
+// K and V tiles of TILE_N keys travel global -> shared by cp.async, double-buffered, one barrier per tile; the byte
+// offset of each key's page row is computed once per key (page_s) so that a copy costs a shared load and two adds.
+// Rows of shared memory are padded by one 16-byte vector (an odd number of vectors per row), so the 8 rows that one
+// ldmatrix matrix reads fall in 8 different bank groups. Head sizes up to 96 run three CTAs per SM (Q re-read from
+// shared memory each tile, 168 registers), larger ones two (Q in registers).
+// Per tile, each term of the logits is its own loop under a warp-uniform branch (ALiBi, the bias, the mask), so the
+// inner loop stays small: an earlier version with a branch per logit and per bias dtype outgrew the instruction
+// cache and ran 2.3x slower. T5 tiles that lie max_distance or more from every row of the CTA add one constant
+// per row (far_s); the others read a per-tile table.
 //
 // Tiles: a host-sized grid of M tiles over all sequences, mapped to (sequence, tile of that sequence) by
 // paged_prefill_plan (device side: the host never reads query_start_loc). With several partitions (split-K, when
@@ -39,6 +45,7 @@ constexpr int kPrefillThreads = 128;  // 4 warps
 constexpr int kRowsPerWarp = 16;      // the M of one mma
 constexpr int kRowsPerCta = kRowsPerWarp * kPrefillThreads / kWarpSize;  // 64 packed (token, head) rows
 constexpr int kPrefillStages = 2;     // K/V tiles in shared memory: one computing, one landing
+constexpr int kPageBuffers = 3;       // tiles whose page offsets are in shared memory (see page_s)
 constexpr int kRelTableMax = 640;     // floats of one per-tile relative-bias table (T5)
 constexpr int kPlanThreads = 1024;
 constexpr int kPrefillReduceThreads = 128;
@@ -114,18 +121,22 @@ struct PrefillLayout {
   static constexpr int KSTEPS = HEAD_P / 16;               // k steps of S = Q·Kᵀ
   static constexpr int NT_S = TILE_N / 8;                  // n tiles of S
   static constexpr int NT_O = HEAD_P / 8;                  // n tiles of O
-  static constexpr int COPIES = TILE_N * NV / kPrefillThreads;  // K (and V) vectors each thread copies per tile
-  static constexpr bool kQInRegs = HEAD <= 192;            // Q's A fragments in registers (else re-read per tile)
+  static constexpr int COPIES = (TILE_N * NV + kPrefillThreads - 1) / kPrefillThreads;  // K, V vectors per thread
+  static constexpr bool kCopiesEven = TILE_N * NV % kPrefillThreads == 0;  // else the last slot is some threads'
+  // CTAs per SM: three where their shared memory fits (more warps to hide latency), with Q's A fragments re-read
+  // from shared memory each tile to stay within 168 registers; else two, with Q in registers up to HEAD 192.
+  static constexpr int kCtasPerSm = HEAD <= 96 ? 3 : 2;
+  static constexpr bool kQInRegs = kCtasPerSm == 2 && HEAD <= 192;
   // Shared memory, in bytes: Q_s [kRowsPerCta][ROW], KV_s [stage][K, V][TILE_N][ROW] (16-byte vectors),
-  // ok_s [stage][TILE_N] ints, rel_s [2][kRelTableMax] floats.
+  // page_s [3][TILE_N] long longs, rel_s [2][kRelTableMax] floats, far_s [2][kRowsPerCta] floats.
   static constexpr int kQBytes = kRowsPerCta * ROW * kVecBytes;
   static constexpr int kKVBytes = kPrefillStages * 2 * TILE_N * ROW * kVecBytes;
-  static constexpr int kOkBytes = kPrefillStages * TILE_N * 4;
-  static constexpr int kRelBytes = 2 * kRelTableMax * 4;
-  static constexpr int kSmemBytes = kQBytes + kKVBytes + kOkBytes + kRelBytes;
+  static constexpr int kPageBytes = kPageBuffers * TILE_N * 8;
+  static constexpr int kRelBytes = (2 * kRelTableMax + 2 * kRowsPerCta) * 4;
+  static constexpr int kSmemBytes = kQBytes + kKVBytes + kPageBytes + kRelBytes;
   static_assert(sizeof(T) == 2, "the tensor-core kernel takes float16 / bfloat16");
+  static_assert(kCtasPerSm * (kSmemBytes + 1024) <= 227 * 1024, "the CTAs per SM fit in an H100/H200 SM");
   static_assert(HEAD % VEC == 0 && NV % 2 == 0, "whole vectors, pairs of 8-column matrices");
-  static_assert(TILE_N * NV % kPrefillThreads == 0, "every thread copies the same number of vectors");
   static_assert(TILE_N % 16 == 0, "P·V takes keys 16 at a time");
 };
 
@@ -134,7 +145,7 @@ struct PrefillLayout {
 // DenseBias or T5Bias (common.cuh). Run-time: page size (block_shift), causal, ALiBi, bias dtype, split.
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T, int HEAD, KvLayout LAYOUT, typename Bias>
-__global__ void __launch_bounds__(kPrefillThreads, 2) paged_prefill(
+__global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD>::kCtasPerSm) paged_prefill(
     T* __restrict__ out, long long out_stride_t, long long out_stride_h,  // [total_q, num_heads, HEAD]
     float* __restrict__ part_acc,  // [num_parts, total_q, num_heads, HEAD], used when num_parts > 1
     float* __restrict__ part_ml,   // [num_parts, total_q, num_heads, 2] = (m, l) in base 2
@@ -158,8 +169,9 @@ __global__ void __launch_bounds__(kPrefillThreads, 2) paged_prefill(
   extern __shared__ uint4 smem[];
   uint4* q_s = smem;                                   // [kRowsPerCta][ROW]
   uint4* kv_s = q_s + kRowsPerCta * ROW;               // [stage][K, V][TILE_N][ROW]
-  int* ok_s = reinterpret_cast<int*>(kv_s + kPrefillStages * 2 * TILE_N * ROW);  // [stage][TILE_N]
-  float* rel_s = reinterpret_cast<float*>(ok_s + kPrefillStages * TILE_N);        // [2][kRelTableMax]
+  long long* page_s = reinterpret_cast<long long*>(kv_s + kPrefillStages * 2 * TILE_N * ROW);  // [3][TILE_N]
+  float* rel_s = reinterpret_cast<float*>(page_s + kPageBuffers * TILE_N);                    // [2][kRelTableMax]
+  float* far_s = rel_s + 2 * kRelTableMax;                                         // [2][kRowsPerCta]
 
   const int2 info = tile_info[blockIdx.x];
   const int s = info.x;
@@ -223,6 +235,26 @@ __global__ void __launch_bounds__(kPrefillThreads, 2) paged_prefill(
   // G·(TILE_N + p_last − p_first) values instead of one load chain per logit. Too large a group: per logit.
   const int rel_w = TILE_N + p_last - p_first;
   const bool use_rel = kT5 && G * rel_w <= kRelTableMax;
+  // Far tiles: T5's bias is one value per direction for keys at least max_distance (bias_n) before the query, and
+  // for keys at least far_after after it (max_distance when bidirectional; 0 otherwise: one bucket for all later
+  // keys). A tile whose keys are all that far from every row of the CTA adds a per-row constant: no table, no
+  // fill. Most tiles of a long sequence are far.
+  const int far_after = bias_m > 0 ? bias_n : 0;
+  auto far_kind = [&](int t0) -> int {  // 0: near, 1: every key far before, 2: every key far after
+    if (!kT5) return 0;
+    if (t0 + TILE_N - 1 - p_first <= -bias_n) return 1;
+    return t0 - p_last >= far_after ? 2 : 0;
+  };
+  // far_s[kind][row]: the two constants of each row, base 2 (shared memory: registers are all taken). Written by
+  // the row's own thread (qc == 0) and read by its quad: visible after the barrier before the first tile.
+  if (kT5 && qc == 0) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int r = warp * kRowsPerWarp + qr + 8 * hf;
+      far_s[r] = bias.value(seq_bias.load(row_h[hf], 0, 0, -bias_n)) * kLog2e;
+      far_s[kRowsPerCta + r] = bias.value(seq_bias.load(row_h[hf], 0, 0, far_after)) * kLog2e;
+    }
+  }
 
   const Cache cache{key_cache, value_cache, cache_block_stride, num_kv_heads, block_shift};
   const int* table = block_tables + s * block_table_stride;
@@ -267,38 +299,62 @@ __global__ void __launch_bounds__(kPrefillThreads, 2) paged_prefill(
     }
   };
 
-  // ---- Copies: block ids one tile ahead in registers, K/V by cp.async (vLLM values gathered).
-  int cblk[COPIES];
-  auto fetch_ids = [&](int t0) {
-#pragma unroll
-    for (int k = 0; k < COPIES; ++k) {
-      const int j = t0 + (tid + k * kPrefillThreads) / NV;
-      cblk[k] = j < loop_end ? table[j >> block_shift] : -1;
+  // ---- Pages. page_s[u % 3][t] is the byte offset, in the key cache, of vector 0 of key t of tile u (head kvh):
+  // its page's plus its token's. −1 when its block id lies outside the cache (never dereferenced: the key is
+  // masked; validate=True reports it), −2 for keys past loop_end. Thread t < TILE_N loads key t's block id one tile
+  // early (load_id, into a register) and stores the offset at the end of that tile (store_page): tile u's offsets
+  // are written in iteration u − 2, read by its copies in iteration u − 1 and by its masks in iteration u, so three
+  // buffers never collide. Each copy is then one shared load and two 64-bit adds.
+  int pending_blk = 0;
+  bool pending_in = false;
+  auto load_id = [&](int t0) {
+    if (tid < TILE_N) {
+      const int j = t0 + tid;
+      pending_in = j < loop_end;
+      pending_blk = pending_in ? table[j >> block_shift] : 0;
     }
   };
-  // Tile t0 into stage st; returns whether every key of it that this thread copied lies in the cache.
-  auto issue = [&](int st, int t0) -> bool {
+  auto store_page = [&](int u, int t0) {
+    if (tid < TILE_N) {
+      const bool blk_ok = pending_blk >= 0 && pending_blk < num_blocks;
+      const long long at = static_cast<long long>(pending_blk) * cache_block_stride +
+                           cache.page_offset((t0 + tid) & block_mask, kvh, 0);
+      page_s[(u % kPageBuffers) * TILE_N + tid] =
+          !pending_in ? -2 : blk_ok ? at * static_cast<long long>(sizeof(T)) : -1;
+    }
+  };
+
+  // ---- Copies of tile u (keys from t0) into stage st: K/V vectors by cp.async (vLLM values gathered), zeros where
+  // a key is missing. Slot k of this thread is vector c of tile row t (idx = tid + k·threads: coalesced). When the
+  // threads cover whole rows (NV divides them), c is the same in every slot and its byte offset is folded into this
+  // thread's cache pointers once. Returns whether every key that this thread copied lies in the cache.
+  constexpr bool kColFixed = kPrefillThreads % NV == 0;
+  auto slot_used = [&](int k) { return L::kCopiesEven || k < COPIES - 1 || tid + k * kPrefillThreads < TILE_N * NV; };
+  auto slot_col = [&](int k) { return kColFixed ? tid % NV : (tid + k * kPrefillThreads) % NV; };
+  auto slot_row = [&](int k) { return kColFixed ? tid / NV + k * (kPrefillThreads / NV) : (tid + k * kPrefillThreads) / NV; };
+  const long long col_bytes = kColFixed ? static_cast<long long>(slot_col(0)) * cache.vector_stride() * sizeof(T) : 0;
+  const char* key_bytes = reinterpret_cast<const char*>(key_cache) + col_bytes;
+  const char* value_bytes = reinterpret_cast<const char*>(value_cache) + col_bytes;
+  auto issue = [&](int st, int u, int t0) -> bool {
+    const long long* pages = page_s + (u % kPageBuffers) * TILE_N;
     bool all_ok = true;
 #pragma unroll
     for (int k = 0; k < COPIES; ++k) {
-      const int idx = tid + k * kPrefillThreads;
-      const int t = idx / NV;
-      const int c = idx % NV;
-      const int j = t0 + t;
-      const long long blk = cblk[k];
-      const bool in_range = j < loop_end;
-      // A block id outside the cache is never dereferenced: the key is masked (validate=True reports it).
-      const bool blk_ok = blk >= 0 && blk < num_blocks;
-      const bool copy = in_range && blk_ok && c < NV_REAL;
-      all_ok = all_ok && (!in_range || blk_ok);
-      const int off = j & block_mask;
-      cp_async16(k_s(st, t, c), copy ? cache.key_vec(blk, off, kvh, c) : key_cache, copy ? kVecBytes : 0);
+      if (!slot_used(k)) continue;
+      const int t = slot_row(k);
+      const int c = slot_col(k);
+      const long long page = pages[t];
+      const bool copy = page >= 0 && c < NV_REAL;
+      all_ok = all_ok && page != -1;
+      const long long at = !copy ? 0 : kColFixed ? page : page + static_cast<long long>(c) * cache.vector_stride() * sizeof(T);
+      cp_async16(k_s(st, t, c), key_bytes + at, copy ? kVecBytes : 0);
       if constexpr (Cache::kValueIsVector) {
-        cp_async16(v_s(st, t, c), copy ? cache.value_vec(blk, off, kvh, c) : value_cache, copy ? kVecBytes : 0);
+        cp_async16(v_s(st, t, c), value_bytes + at, copy ? kVecBytes : 0);
       } else {
+        const int off = (t0 + t) & block_mask;
+        const long long blk = copy ? (page / static_cast<long long>(sizeof(T)) - cache.page_offset(off, kvh, 0)) / cache_block_stride : 0;
         *v_s(st, t, c) = copy ? cache.gather_value(blk, off, kvh, c) : make_uint4(0u, 0u, 0u, 0u);
       }
-      if (c == 0) ok_s[st * TILE_N + t] = !in_range || blk_ok;
     }
     cp_async_commit();
     return all_ok;
@@ -314,13 +370,16 @@ __global__ void __launch_bounds__(kPrefillThreads, 2) paged_prefill(
     for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
 
   bool ok_next = true;
-  if (num_tiles > 0) {
-    fetch_ids(kstart);
-    ok_next = issue(0, kstart);
-    fetch_ids(kstart + TILE_N);
-    if (use_rel) fill_rel(0, kstart);
+  if (num_tiles > 0) {  // (uniform over the CTA)
+    load_id(kstart);
+    store_page(0, kstart);
+    load_id(kstart + TILE_N);
+    store_page(1, kstart + TILE_N);
+    __syncthreads();  // the first two tiles' page offsets are visible to every thread's copies
+    ok_next = issue(0, 0, kstart);
+    if (use_rel && far_kind(kstart) == 0) fill_rel(0, kstart);
   }
-  __syncthreads();  // Q_s is complete before the warps read their fragments
+  __syncthreads();  // Q_s (and far_s) are complete before the warps read them
 
   unsigned qa[L::kQInRegs ? KSTEPS : 1][4];
   if constexpr (L::kQInRegs) {
@@ -328,6 +387,7 @@ __global__ void __launch_bounds__(kPrefillThreads, 2) paged_prefill(
     for (int kk = 0; kk < KSTEPS; ++kk) ldmatrix_x4(qa[kk], &q_s[(warp * kRowsPerWarp + lane % 16) * ROW + 2 * kk + lane / 16]);
   }
   const float scale2 = scale * kLog2e;
+  const bool has_alibi = alibi_slopes != nullptr;
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int st = tile % kPrefillStages;
@@ -337,24 +397,26 @@ __global__ void __launch_bounds__(kPrefillThreads, 2) paged_prefill(
     // with the previous tile, whose stage the copies issued next overwrite. Also: are all keys of it in the cache?
     const bool tile_ok = __syncthreads_and(ok_next);
     if (tile + 1 < num_tiles) {
-      ok_next = issue((tile + 1) % kPrefillStages, t0 + TILE_N);
-      fetch_ids(t0 + 2 * TILE_N);
+      ok_next = issue((tile + 1) % kPrefillStages, tile + 1, t0 + TILE_N);
+      load_id(t0 + 2 * TILE_N);
     }
 
     if (warp_active) {
       const bool need_mask = !(tile_ok && t0 + TILE_N <= warp_min_end);
       // ---- Bias bits of this tile's logits, loaded first so that they travel during the matrix product.
+      // (T5 without its table reads in place, below: its loads hit L1, and 32 more live registers would spill.)
       typename Bias::Raw braw[NT_S][4];
-      if constexpr (Bias::enabled) {
+      if constexpr (Bias::enabled && !kT5) {
+        {
 #pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt)
+          for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int hf = e / 2;
-            const int j = t0 + nt * 8 + 2 * qc + (e & 1);
-            braw[nt][e] = typename Bias::Raw{};
-            if (!use_rel && j < row_end[hf]) braw[nt][e] = seq_bias.load(row_h[hf], row_i[hf], row_p[hf], j);
-          }
+            for (int e = 0; e < 4; ++e) {
+              const int hf = e / 2;
+              const int j = t0 + nt * 8 + 2 * qc + (e & 1);
+              braw[nt][e] = j < row_end[hf] ? seq_bias.load(row_h[hf], row_i[hf], row_p[hf], j) : 0u;
+            }
+        }
       }
 
       // ---- S = Q·Kᵀ: 16 rows x TILE_N keys per warp.
@@ -382,49 +444,91 @@ __global__ void __launch_bounds__(kPrefillThreads, 2) paged_prefill(
       }
 
       // ---- Logits in base 2: x = (scale·s + alibi·(j − p) + bias)·log2(e); −inf for keys a row may not see.
+      // One loop per term, each under a branch that is uniform over the warp: no term costs a branch per logit.
+      // The scale rides on the bias's add (one FFMA).
+      if constexpr (!Bias::enabled) {
 #pragma unroll
-      for (int nt = 0; nt < NT_S; ++nt)
+        for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int hf = e / 2;
-          const int kl = nt * 8 + 2 * qc + (e & 1);
-          const int j = t0 + kl;
-          float x = sacc[nt][e] * scale2 + slope2[hf] * static_cast<float>(j - row_p[hf]);
-          if constexpr (Bias::enabled) {
-            if (use_rel) {
-              x += rel_s[(tile & 1) * kRelTableMax + row_off[hf] + kl];
-            } else {
-              x += bias.value(braw[nt][e]) * kLog2e;
-            }
+          for (int e = 0; e < 4; ++e) sacc[nt][e] *= scale2;
+      } else if (const int far = far_kind(t0); far != 0) {
+        const float* far_row = far_s + (far - 1) * kRowsPerCta + warp * kRowsPerWarp + qr;
+        const float row_bias[2] = {far_row[0], far_row[8]};
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sacc[nt][e] = fmaf(sacc[nt][e], scale2, row_bias[e / 2]);
+      } else if (use_rel) {
+        const float* rel_row[2] = {rel_s + (tile & 1) * kRelTableMax + row_off[0],
+                                   rel_s + (tile & 1) * kRelTableMax + row_off[1]};
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sacc[nt][e] = fmaf(sacc[nt][e], scale2, rel_row[e / 2][nt * 8 + 2 * qc + (e & 1)]);
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int hf = e / 2;
+            const typename Bias::Raw raw =
+                kT5 ? seq_bias.load(row_h[hf], row_i[hf], row_p[hf], t0 + nt * 8 + 2 * qc + (e & 1)) : braw[nt][e];
+            sacc[nt][e] = fmaf(sacc[nt][e], scale2, bias.value(raw) * kLog2e);
           }
-          if (need_mask && (j >= row_end[hf] || !ok_s[st * TILE_N + kl])) x = -inf();
-          sacc[nt][e] = x;
-        }
+      }
+      if (has_alibi) {
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            sacc[nt][e] += slope2[e / 2] * static_cast<float>(t0 + nt * 8 + 2 * qc + (e & 1) - row_p[e / 2]);
+      }
+      if (need_mask) {
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int kl = nt * 8 + 2 * qc + (e & 1);
+            if (t0 + kl >= row_end[e / 2] || page_s[(tile % kPageBuffers) * TILE_N + kl] == -1) sacc[nt][e] = -inf();
+          }
+      }
 
       // ---- Online softmax per row: m_new = max(m, max_j x), α = 2^(m − m_new), p = 2^(x − m_new), l = α·l + Σ p.
       // While a row has seen no key (m_new = −inf) its reference is 0: α = 0·(nothing) and p = 0, never NaN.
       float alpha[2], m_use[2];
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        float mx = -inf();
+        // The row max of this thread's logits as a balanced tree (a short dependency chain), then over the quad.
+        float tree[NT_S];
 #pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt) mx = fmaxf(mx, fmaxf(sacc[nt][2 * hf], sacc[nt][2 * hf + 1]));
+        for (int nt = 0; nt < NT_S; ++nt) tree[nt] = fmaxf(sacc[nt][2 * hf], sacc[nt][2 * hf + 1]);
+#pragma unroll
+        for (int w = NT_S / 2; w > 0; w /= 2)
+#pragma unroll
+          for (int i = 0; i < w; ++i) tree[i] = fmaxf(tree[i], tree[i + w]);
+        float mx = tree[0];
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 lanes of a quad share the row
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_new = fmaxf(m[hf], mx);
         m_use[hf] = m_new == -inf() ? 0.0f : m_new;
-        alpha[hf] = exp2f(m[hf] - m_use[hf]);
+        alpha[hf] = fast_exp2(m[hf] - m_use[hf]);
         m[hf] = m_new;
-        l[hf] *= alpha[hf];
       }
 #pragma unroll
       for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float p = exp2f(sacc[nt][e] - m_use[e / 2]);
-          sacc[nt][e] = p;
-          l[e / 2] += p;
-        }
+        for (int e = 0; e < 4; ++e) sacc[nt][e] = fast_exp2(sacc[nt][e] - m_use[e / 2]);
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {  // l = α·l + Σ p, the sum as a balanced tree
+        float tree[NT_S];
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) tree[nt] = sacc[nt][2 * hf] + sacc[nt][2 * hf + 1];
+#pragma unroll
+        for (int w = NT_S / 2; w > 0; w /= 2)
+#pragma unroll
+          for (int i = 0; i < w; ++i) tree[i] += tree[i + w];
+        l[hf] = fmaf(l[hf], alpha[hf], tree[0]);
+      }
 #pragma unroll
       for (int n = 0; n < NT_O; ++n)
 #pragma unroll
@@ -447,8 +551,10 @@ __global__ void __launch_bounds__(kPrefillThreads, 2) paged_prefill(
         }
       }
     }
+    // Tile + 2's page offsets (its block ids were loaded at the top of this tile); no one reads that buffer now.
+    if (tile + 2 < num_tiles) store_page(tile + 2, t0 + 2 * TILE_N);
     // The next tile's T5 table, into the other buffer (last read during the previous tile, before this barrier).
-    if (use_rel && tile + 1 < num_tiles) fill_rel((tile + 1) & 1, t0 + TILE_N);
+    if (use_rel && tile + 1 < num_tiles && far_kind(t0 + TILE_N) == 0) fill_rel((tile + 1) & 1, t0 + TILE_N);
   }
   cp_async_wait<0>();  // no copy may still be writing shared memory when the CTA exits
 

@@ -340,6 +340,10 @@ DECODE_CACHE_MEMORY_ERRORS = [
                 key_cache=lambda a: rand((*a["key_cache"].shape[:-1], 8))[..., ::2]),
     decode_case("value_cache-vllm-fortran", ValueError, r"value_cache: each page must be contiguous", VLLM,
                 value_cache=lambda a: np.asfortranarray(a["value_cache"])),
+    # a page the kernels can address in 32 bits (broadcast: no memory behind it)
+    decode_case("key_cache-page-over-2**31-elements", ValueError, r"key_cache: a page \(block_size x num_kv_heads "
+                r"x head_size\) must hold fewer than 2\*\*31 elements, got 2147483648",
+                **both_caches(lambda shape, dtype: np.broadcast_to(np.zeros((), dtype), (2, 256, 2**18, HEAD_SIZE)))),
     # page stride: at least a page, a multiple of x, the same for both caches
     decode_case("key_cache-page-stride-0", ValueError, r"key_cache: page stride must be >= 512 elements and a "
                 r"multiple of 4, got 0", key_cache=lambda a: np.broadcast_to(a["key_cache"][:1], a["key_cache"].shape)),
