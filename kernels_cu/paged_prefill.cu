@@ -529,10 +529,14 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD>::kCtas
           for (int i = 0; i < w; ++i) tree[i] += tree[i + w];
         l[hf] = fmaf(l[hf], alpha[hf], tree[0]);
       }
+      // Once the running max settles, most tiles leave it unchanged for every row of the warp (α = 1 exactly): one
+      // vote then replaces the NT_O·4 multiplications of the rescale.
+      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-      for (int n = 0; n < NT_O; ++n)
+        for (int n = 0; n < NT_O; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[n][e] *= alpha[e / 2];
+          for (int e = 0; e < 4; ++e) acc[n][e] *= alpha[e / 2];
+      }
 
       // ---- O += P·V: the S accumulators of n tiles 2kk, 2kk + 1 are the A fragment of keys 16kk ... 16kk + 15.
 #pragma unroll
