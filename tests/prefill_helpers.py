@@ -17,7 +17,8 @@ import cupy_paged_attn as cpa
 
 #: Dense bias layouts, then the in-kernel T5 kinds.
 DENSE_KINDS = ("dense", "broadcast-seq", "broadcast-head", "broadcast-rows", "strided")
-T5_KINDS = ("t5-causal", "t5-bidir")
+T5_KINDS = ("t5-causal", "t5-bidir", "t5-short")  # t5-short: bidirectional, max_distance 12 (many far key tiles)
+T5_GEOMETRY = {"t5-causal": (32, 128, False), "t5-bidir": (32, 128, True), "t5-short": (10, 12, True)}
 
 
 @dataclass
@@ -91,9 +92,10 @@ def make_prefill_problem(
         wide = rng.standard_normal((2 * length, num_seqs, max_q, num_heads)).astype(b_dtype)
         attn_bias = wide[::2].transpose(1, 3, 2, 0)
     elif bias in T5_KINDS:
-        table = rng.standard_normal((32, num_heads)).astype(b_dtype)
-        attn_bias = cpa.RelativePositionBias(table, num_buckets=32, max_distance=128,
-                                             bidirectional=bias == "t5-bidir")
+        num_buckets, max_distance, bidirectional = T5_GEOMETRY[bias]
+        table = rng.standard_normal((num_buckets, num_heads)).astype(b_dtype)
+        attn_bias = cpa.RelativePositionBias(table, num_buckets=num_buckets, max_distance=max_distance,
+                                             bidirectional=bidirectional)
     elif bias != "none":
         raise ValueError(bias)
     return PrefillProblem(query, base.key_cache, base.value_cache, base.block_tables, base.seq_lens, starts,
@@ -123,8 +125,9 @@ def dense_prefill_attention(p: PrefillProblem) -> np.ndarray:
                 if p.alibi_slopes is not None:
                     logits += float(p.alibi_slopes[h]) * (keys - pos)
                 if isinstance(p.attn_bias, cpa.RelativePositionBias):
-                    buckets = cpa.t5_relative_position_bucket(keys - pos, bidirectional=p.attn_bias.bidirectional,
-                                                              num_buckets=32, max_distance=128)
+                    t5 = p.attn_bias
+                    buckets = cpa.t5_relative_position_bucket(keys - pos, bidirectional=t5.bidirectional,
+                                                              num_buckets=t5.num_buckets, max_distance=t5.max_distance)
                     logits += np.asarray(p.attn_bias.table, dtype=np.float64)[buckets, h]
                 elif p.attn_bias is not None:
                     logits += np.asarray(p.attn_bias[s, h, i, keys], dtype=np.float64)
