@@ -331,7 +331,9 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD>::kCtas
   constexpr bool kColFixed = kPrefillThreads % NV == 0;
   auto slot_used = [&](int k) { return L::kCopiesEven || k < COPIES - 1 || tid + k * kPrefillThreads < TILE_N * NV; };
   auto slot_col = [&](int k) { return kColFixed ? tid % NV : (tid + k * kPrefillThreads) % NV; };
-  auto slot_row = [&](int k) { return kColFixed ? tid / NV + k * (kPrefillThreads / NV) : (tid + k * kPrefillThreads) / NV; };
+  auto slot_row = [&](int k) {
+    return kColFixed ? tid / NV + k * (kPrefillThreads / NV) : (tid + k * kPrefillThreads) / NV;
+  };
   const long long col_bytes = kColFixed ? static_cast<long long>(slot_col(0)) * cache.vector_stride() * sizeof(T) : 0;
   const char* key_bytes = reinterpret_cast<const char*>(key_cache) + col_bytes;
   const char* value_bytes = reinterpret_cast<const char*>(value_cache) + col_bytes;
@@ -346,13 +348,15 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD>::kCtas
       const long long page = pages[t];
       const bool copy = page >= 0 && c < NV_REAL;
       all_ok = all_ok && page != -1;
-      const long long at = !copy ? 0 : kColFixed ? page : page + static_cast<long long>(c) * cache.vector_stride() * sizeof(T);
+      const long long col = kColFixed ? 0 : static_cast<long long>(c) * cache.vector_stride() * sizeof(T);
+      const long long at = copy ? page + col : 0;
       cp_async16(k_s(st, t, c), key_bytes + at, copy ? kVecBytes : 0);
       if constexpr (Cache::kValueIsVector) {
         cp_async16(v_s(st, t, c), value_bytes + at, copy ? kVecBytes : 0);
       } else {
         const int off = (t0 + t) & block_mask;
-        const long long blk = copy ? (page / static_cast<long long>(sizeof(T)) - cache.page_offset(off, kvh, 0)) / cache_block_stride : 0;
+        const long long blk =
+            copy ? (page / static_cast<long long>(sizeof(T)) - cache.page_offset(off, kvh, 0)) / cache_block_stride : 0;
         *v_s(st, t, c) = copy ? cache.gather_value(blk, off, kvh, c) : make_uint4(0u, 0u, 0u, 0u);
       }
     }
@@ -407,16 +411,14 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD>::kCtas
       // (T5 without its table reads in place, below: its loads hit L1, and 32 more live registers would spill.)
       typename Bias::Raw braw[NT_S][4];
       if constexpr (Bias::enabled && !kT5) {
-        {
 #pragma unroll
-          for (int nt = 0; nt < NT_S; ++nt)
+        for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int hf = e / 2;
-              const int j = t0 + nt * 8 + 2 * qc + (e & 1);
-              braw[nt][e] = j < row_end[hf] ? seq_bias.load(row_h[hf], row_i[hf], row_p[hf], j) : 0u;
-            }
-        }
+          for (int e = 0; e < 4; ++e) {
+            const int hf = e / 2;
+            const int j = t0 + nt * 8 + 2 * qc + (e & 1);
+            braw[nt][e] = j < row_end[hf] ? seq_bias.load(row_h[hf], row_i[hf], row_p[hf], j) : 0u;
+          }
       }
 
       // ---- S = Q·Kᵀ: 16 rows x TILE_N keys per warp.
@@ -464,7 +466,8 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD>::kCtas
 #pragma unroll
         for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) sacc[nt][e] = fmaf(sacc[nt][e], scale2, rel_row[e / 2][nt * 8 + 2 * qc + (e & 1)]);
+          for (int e = 0; e < 4; ++e)
+            sacc[nt][e] = fmaf(sacc[nt][e], scale2, rel_row[e / 2][nt * 8 + 2 * qc + (e & 1)]);
       } else {
 #pragma unroll
         for (int nt = 0; nt < NT_S; ++nt)
