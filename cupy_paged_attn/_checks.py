@@ -462,35 +462,14 @@ NO_ROW_LIMIT = 2**31 - 1
 
 
 @dataclass
-class PrefillProblem:
-    """Validated prefill arguments; arrays are the wrapped (NumPy, CuPy or torch) ones."""
+class PrefillProblem(DecodeProblem):
+    """Validated prefill arguments: a decode problem's fields (so the decode checks of device data apply as they
+    are) plus the query rows; arrays are the wrapped (NumPy, CuPy or torch) ones."""
 
-    query: Any
-    key_cache: Any
-    value_cache: Any
-    block_tables: Any
-    seq_lens: Any
     query_start_loc: Any
-    bias: CheckedBias
-    alibi_slopes: Any | None
-    out: Any | None
-    num_seqs: int
     total_q: int  # query rows of all sequences together
-    num_heads: int
-    num_kv_heads: int
-    head_size: int
-    cache: CacheGeometry
-    max_blocks_per_seq: int
-    max_len: int  # most keys a sequence can have: the block table's capacity, and a dense bias's length
     q_limit: int  # most query rows a sequence can have in a dense bias (its max_q_len), else NO_ROW_LIMIT
-    scale: float
     causal: bool
-    kv_layout: str
-    dtype: str  # "f32" | "f16" | "bf16"
-
-    @property
-    def group_size(self) -> int:
-        return self.num_heads // self.num_kv_heads
 
 
 def check_prefill(
@@ -551,7 +530,7 @@ def check_prefill_host_data(problem: PrefillProblem) -> None:
     """The prefill checks that read device data (host copies in ``problem``): those of decode (seq_lens, block
     ids) plus ``query_start_loc``: starts at 0, never decreases, ends at total_query_tokens, and each sequence's
     query rows are at most its keys (and at most a dense bias's max_q_len)."""
-    check_host_data(problem)  # type: ignore[arg-type]  # the same fields as a DecodeProblem
+    check_host_data(problem)
     starts = np.asarray(problem.query_start_loc).astype(np.int64)
     seq_lens = np.asarray(problem.seq_lens)
     if starts[0] != 0 or starts[-1] != problem.total_q:
