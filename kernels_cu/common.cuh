@@ -145,17 +145,14 @@ struct PagedCache {
   int num_kv_heads;
   int block_shift;  // log2(block_size): pages hold a power of two of tokens
 
-  // Offset in elements, within a page, of token off's key vector c of head kvh (NHD: of its value vector too); it
-  // grows by token_stride() per token. 32-bit: a page holds fewer than 2**31 elements (checked on the host).
+  // Offset in elements, within a page, of token off's key vector c of head kvh (NHD: of its value vector too).
+  // 32-bit: a page holds fewer than 2**31 elements (checked on the host).
   __device__ __forceinline__ int page_offset(int off, int kvh, int c) const {
     if constexpr (LAYOUT == KvLayout::kNHD) {
       return (off * num_kv_heads + kvh) * HEAD + c * VEC;
     } else {
       return (((kvh * (HEAD / VEC) + c) << block_shift) + off) * VEC;
     }
-  }
-  __device__ __forceinline__ int token_stride() const {
-    return LAYOUT == KvLayout::kNHD ? num_kv_heads * HEAD : VEC;
   }
   // How page_offset grows per key vector c: page_offset(off, kvh, c) = page_offset(off, kvh, 0) + c·vector_stride().
   __device__ __forceinline__ int vector_stride() const {
