@@ -160,16 +160,12 @@ struct PagedCache {
   }
 
   __device__ __forceinline__ const T* key_vec(long long blk, int off, int kvh, int c) const {
-    if constexpr (LAYOUT == KvLayout::kNHD) {
-      return key + blk * block_stride + (static_cast<long long>(off) * num_kv_heads + kvh) * HEAD + c * VEC;
-    } else {
-      return key + blk * block_stride + ((((static_cast<long long>(kvh) * (HEAD / VEC) + c) << block_shift) + off) * VEC);
-    }
+    return key + blk * block_stride + page_offset(off, kvh, c);
   }
 
   // NHD only: the value vector is contiguous.
   __device__ __forceinline__ const T* value_vec(long long blk, int off, int kvh, int c) const {
-    return value + blk * block_stride + (static_cast<long long>(off) * num_kv_heads + kvh) * HEAD + c * VEC;
+    return value + blk * block_stride + page_offset(off, kvh, c);
   }
 
   // Element d of a token's value, either layout.
