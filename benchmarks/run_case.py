@@ -44,7 +44,12 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     b, d, n, bs = args.batch, args.head_size, args.length, args.block_size
     pages = b * (n // bs)
-    q = torch.randn(b, hq, d, device="cuda", dtype=dtype)
+    q_len = args.q_len or n
+    if args.prefill:  # q_len query rows per sequence, packed
+        q = torch.randn(b * q_len, hq, d, device="cuda", dtype=dtype)
+        starts = torch.arange(0, (b + 1) * q_len, q_len, device="cuda", dtype=torch.int32)
+    else:
+        q = torch.randn(b, hq, d, device="cuda", dtype=dtype)
     if args.layout == "nhd":
         k = torch.randn(pages, bs, hkv, d, device="cuda", dtype=dtype)
         v = torch.randn_like(k)
@@ -56,20 +61,14 @@ def main() -> None:
     lens = torch.full((b,), n, device="cuda", dtype=torch.int32)
     bias = None
     if args.bias == "dense":
-        bias = torch.randn(b, hq, n, device="cuda", dtype=dtype)
+        rows = (q_len,) if args.prefill else ()
+        bias = torch.randn(b, hq, *rows, n, device="cuda", dtype=dtype)
     elif args.bias == "ragged":
         offsets = torch.arange(0, (b + 1) * n, n, device="cuda", dtype=torch.int32)
         bias = cpa.RaggedBias(torch.randn(b * n, hq, device="cuda", dtype=dtype), offsets)
     elif args.bias == "t5":
-        bias = cpa.RelativePositionBias(torch.randn(32, hq, device="cuda", dtype=dtype), bidirectional=False)
-    q_len = args.q_len or n
-    if args.prefill:
-        q = torch.randn(b * q_len, hq, d, device="cuda", dtype=dtype)
-        starts = torch.arange(0, (b + 1) * q_len, q_len, device="cuda", dtype=torch.int32)
-        if args.bias == "dense":
-            bias = torch.randn(b, hq, q_len, n, device="cuda", dtype=dtype)
-        elif args.bias == "t5":
-            bias = cpa.RelativePositionBias(bias.table, bidirectional=not args.causal)
+        table = torch.randn(32, hq, device="cuda", dtype=dtype)
+        bias = cpa.RelativePositionBias(table, bidirectional=args.prefill and not args.causal)
     out = torch.empty_like(q)
 
     def call() -> None:
