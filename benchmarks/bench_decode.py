@@ -264,6 +264,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="how sdpa handles GQA: repeat_interleave the KV heads (default; keeps SDPA's "
                              "fused kernels with a float mask) or SDPA's enable_gqa=True")
     parser.add_argument("--no-graph", action="store_true", help="time eager calls only")
+    parser.add_argument("--kernel", choices=("auto", "tensor-cores", "fp32-loop"), default="auto",
+                        help="our decode kernel: auto (the library's choice), or force the tensor-core one (16-bit, "
+                             "head size <= 128) or the FP32 loop, for comparisons")
     parser.add_argument("--seed", type=int, default=0, help="seed of all random data (default: 0)")
     parser.add_argument("--out", metavar="DIR", help="write DIR/decode.json and DIR/decode.png")
     parser.add_argument("--list", action="store_true", help="print the cases and exit (no GPU needed)")
@@ -1255,6 +1258,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               "one)", file=sys.stderr)
         return 2
     start = time.perf_counter()
+    if args.kernel != "auto":
+        from cupy_paged_attn import decode
+
+        decode.TENSOR_CORE_MIN_GROUP = 1 if args.kernel == "tensor-cores" else 10**9
     api = library_api()
     timer = Timer(args.timer, args.reps, args.warmup)
     env = environment(timer, api)

@@ -28,13 +28,17 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true", help="q_len = length for every sequence")
     parser.add_argument("--causal", action="store_true", help="prefill: mask keys after each query")
     parser.add_argument("--q-len", type=int, default=0, help="prefill: query rows per sequence (default: length)")
+    parser.add_argument("--kernel", default="auto", choices=["auto", "tensor-cores", "fp32-loop"],
+                        help="decode: force the tensor-core kernel (16-bit, head size <= 128) or the FP32 loop")
     parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                         help="compile the kernels with -DNAME=VALUE (tuning experiments)")
     args = parser.parse_args()
 
-    from cupy_paged_attn import _compile
+    from cupy_paged_attn import _compile, decode
 
     _compile._COMPILE_OPTIONS = (*_compile._COMPILE_OPTIONS, *(f"-D{d}" for d in args.define))
+    if args.kernel != "auto":
+        decode.TENSOR_CORE_MIN_GROUP = 1 if args.kernel == "tensor-cores" else 10**9
 
     import torch
 
@@ -96,7 +100,8 @@ def main() -> None:
         return
     bias_bytes = b * hq * n * q.element_size() if args.bias in ("dense", "ragged") else 0
     nbytes = 2 * b * n * hkv * d * q.element_size() + bias_bytes
-    print(f"B{b} H{hq}/{hkv} d{d} L{n} bias={args.bias} {args.layout} {' '.join(args.define)}: {us:.1f} us/call, "
+    print(f"B{b} H{hq}/{hkv} d{d} L{n} bias={args.bias} {args.layout} kernel={args.kernel} {' '.join(args.define)}: "
+          f"{us:.1f} us/call, "
           f"{nbytes / us / 1e3:.0f} GB/s (K+V+bias bytes)")
 
 

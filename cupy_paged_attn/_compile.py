@@ -206,9 +206,15 @@ PREFILL_THREADS = 128
 PREFILL_ROWS_PER_CTA = 64
 PREFILL_PLAN_THREADS = 1024
 PREFILL_REDUCE_THREADS = 128
+_PREFILL_WARPS = 4
 _PREFILL_STAGES = 2
-_PREFILL_PAGE_BUFFERS = 3
 _PREFILL_REL_TABLE = 640
+#: Warps that split a tile's keys in the tensor-core kernel (PrefillLayout's KEY_WARPS): 1 for prefill, where the
+#: warps split the rows; 4 for decode, whose 16 rows are one token's query heads.
+PREFILL_KEY_WARPS = 1
+DECODE_KEY_WARPS = 4
+#: Head sizes the decode tiling of the tensor-core kernel takes (a warp needs 16 keys of a 64-key tile).
+DECODE_MMA_HEAD_SIZES = tuple(d for d in HEAD_SIZES if d <= 128)
 
 
 def prefill_tile_keys(head_size: int) -> int:
@@ -216,46 +222,78 @@ def prefill_tile_keys(head_size: int) -> int:
     return 64 if head_size <= 128 else 32
 
 
-def prefill_smem_bytes(dtype: str, head_size: int) -> int:
-    """Dynamic shared memory of one prefill CTA (PrefillLayout::kSmemBytes; 0 for the float32 SIMT kernel)."""
+def rows_per_cta(key_warps: int) -> int:
+    """Packed (token, head) rows of one tensor-core CTA (rows_per_cta in paged_prefill.cu)."""
+    return 16 * _PREFILL_WARPS // key_warps
+
+
+def decode_ctas_per_sm(head_size: int) -> int:
+    """CTAs per SM of the decode tiling (PrefillLayout::kCtasPerSm with KEY_WARPS 4)."""
+    return 3 if head_size <= 64 else 2
+
+
+def reduce_chunks(head_size: int, key_warps: int = PREFILL_KEY_WARPS) -> int:
+    """grid.z of paged_prefill_reduce: one thread per output element of an M tile."""
+    return -(-rows_per_cta(key_warps) * head_size // PREFILL_REDUCE_THREADS)
+
+
+def prefill_smem_bytes(dtype: str, head_size: int, key_warps: int = PREFILL_KEY_WARPS) -> int:
+    """Dynamic shared memory of one tensor-core CTA (PrefillLayout::kSmemBytes; 0 for the float32 SIMT kernel)."""
     if dtype == "f32":
         return 0
-    row = (-(-head_size // 16) * 16) // 8 + 1  # 16-byte vectors per padded row
+    padded = -(-head_size // 16) * 16
+    row = padded // 8 + 1  # 16-byte vectors per padded row
     tile = prefill_tile_keys(head_size)
-    return (PREFILL_ROWS_PER_CTA * row * 16 + _PREFILL_STAGES * 2 * tile * row * 16 + _PREFILL_PAGE_BUFFERS * tile * 8
-            + (2 * _PREFILL_REL_TABLE + 2 * PREFILL_ROWS_PER_CTA) * 4)
+    rows = rows_per_cta(key_warps)
+    decode = key_warps > 1
+    stages = 3 if decode else _PREFILL_STAGES
+    rel_table = 0 if decode else _PREFILL_REL_TABLE
+    return (rows * row * 16 + stages * 2 * tile * row * 16 + (stages + 1) * tile * 8
+            + (2 * rel_table + 2 * rows) * 4)
 
 
 @dataclass(frozen=True)
 class PrefillSpec:
-    """Compile-time choices of one prefill kernel; causal, ALiBi, page size and bias dtype are run-time."""
+    """Compile-time choices of one tensor-core (or float32 SIMT) kernel of paged_prefill.cu; causal, ALiBi, page
+    size and bias dtype are run-time. ``key_warps`` 4 is the decode tiling (16-bit, head sizes up to 128)."""
 
     dtype: str  # "f32" (SIMT kernel) | "f16" | "bf16" (tensor cores)
     head_size: int
     layout: str  # "nhd" | "vllm"
-    bias: str  # one of PREFILL_BIAS_MODES
+    bias: str  # one of PREFILL_BIAS_MODES; "ragged" too with the decode tiling
+    key_warps: int = PREFILL_KEY_WARPS
 
     @property
     def key(self) -> str:
-        return f"paged_prefill_{self.dtype}_d{self.head_size}_{self.layout}_bias-{self.bias}"
+        tiling = "" if self.key_warps == PREFILL_KEY_WARPS else "_decode"
+        return f"paged_prefill_{self.dtype}_d{self.head_size}_{self.layout}_bias-{self.bias}{tiling}"
 
     def name_expressions(self) -> tuple[str, str, str]:
         """The attention kernel, its split-K reduction and the tile plan, as NVRTC name expressions."""
         t = CUDA_TYPES[self.dtype]
-        kernel = "paged_prefill_simt" if self.dtype == "f32" else "paged_prefill"
-        main = f"cpa::{kernel}<{t}, {self.head_size}, {_CUDA_LAYOUT[self.layout]}, {_CUDA_BIAS[self.bias]}>"
-        return main, f"cpa::paged_prefill_reduce<{t}, {self.head_size}>", "cpa::paged_prefill_plan"
+        args = f"{t}, {self.head_size}, {_CUDA_LAYOUT[self.layout]}, {_CUDA_BIAS[self.bias]}"
+        main = f"cpa::paged_prefill_simt<{args}>" if self.dtype == "f32" else \
+            f"cpa::paged_prefill<{args}, {self.key_warps}>"
+        return main, f"cpa::paged_prefill_reduce<{t}, {self.head_size}, {self.key_warps}>", "cpa::paged_prefill_plan"
 
 
 def all_prefill_specs() -> list[PrefillSpec]:
-    """Every prefill specialisation the library can launch."""
-    return [
+    """Every specialisation of paged_prefill.cu the library can launch: prefill's, then decode's tensor-core ones."""
+    prefill = [
         PrefillSpec(dt, d, lay, bias)
         for dt in CUDA_TYPES
         for d in HEAD_SIZES
         for lay in KV_LAYOUTS
         for bias in PREFILL_BIAS_MODES
     ]
+    decode = [
+        PrefillSpec(dt, d, lay, bias, DECODE_KEY_WARPS)
+        for dt in ("f16", "bf16")
+        for d in DECODE_MMA_HEAD_SIZES
+        for lay in KV_LAYOUTS
+        for bias in BIAS_MODES
+    ]
+    return prefill + decode
 
 
 @functools.cache
@@ -265,7 +303,7 @@ def get_prefill_kernels(spec: PrefillSpec, device_id: int) -> tuple[Any, Any, An
     names = spec.name_expressions()
     module = _module("paged_prefill.cu", spec.key, names, device_id)
     kernel = module.get_function(names[0])
-    smem = prefill_smem_bytes(spec.dtype, spec.head_size)
+    smem = prefill_smem_bytes(spec.dtype, spec.head_size, spec.key_warps)
     if smem:
         kernel.max_dynamic_shared_size_bytes = smem
     return kernel, module.get_function(names[1]), module.get_function(names[2])

@@ -20,6 +20,9 @@ _TILE_MULTIPLE = 128  # every specialisation's TILE divides this
 _MIN_PART_TOKENS = 256  # a split-K partition is never shorter
 _SPLIT_BELOW_CTAS_PER_SM = 2  # fewer CTAs than this per SM cannot hide memory latency: split the keys
 _CTAS_PER_SM_TARGET = 4  # then split until the grid holds about this many CTAs per SM
+#: Grouped-query decode runs on the tensor cores (paged_prefill.cu's decode tiling) from this group size up, for
+#: float16 / bfloat16 and head sizes up to 128: its FP32 loop costs ~80 instructions per (token, query head).
+TENSOR_CORE_MIN_GROUP = 2
 
 
 @functools.cache
@@ -44,22 +47,60 @@ class _QueryShape:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeLaunch:
-    """How one decode problem is launched: kernel specialisation and key partitioning."""
+    """How one decode problem is launched: kernel specialisation (the FP32 kernel of paged_decode.cu, or the
+    tensor-core kernel of paged_prefill.cu in its decode tiling), grid and key partitioning."""
 
-    spec: _compile.DecodeSpec
+    spec: _compile.DecodeSpec | _compile.PrefillSpec
     grid: tuple[int, int, int]
     tokens_per_part: int
     num_parts: int
 
+    @property
+    def tensor_cores(self) -> bool:
+        return isinstance(self.spec, _compile.PrefillSpec)
 
-def split_keys(ctas: int, max_len: int, num_sms: int, tile: int) -> tuple[int, int]:
+    @property
+    def threads(self) -> int:
+        return _compile.PREFILL_THREADS if self.tensor_cores else _THREADS
+
+    @property
+    def shared_mem(self) -> int:
+        if isinstance(self.spec, _compile.PrefillSpec):
+            return _compile.prefill_smem_bytes(self.spec.dtype, self.spec.head_size, self.spec.key_warps)
+        return _STAGE_BYTES
+
+    def reduce_grid(self, num_seqs: int, num_heads: int) -> tuple[tuple[int, int, int], int]:
+        """Grid and threads of the split-K reduction: per (M tile, KV head) like the tensor-core CTAs and per chunk
+        of their output elements, else per (sequence, query head)."""
+        if isinstance(self.spec, _compile.PrefillSpec):
+            chunks = _compile.reduce_chunks(self.spec.head_size, self.spec.key_warps)
+            return (self.grid[0], self.grid[1], chunks), _compile.PREFILL_REDUCE_THREADS
+        return (num_seqs, num_heads, 1), _REDUCE_THREADS
+
+
+def uses_tensor_cores(problem: _checks.DecodeProblem) -> bool:
+    """Whether :func:`plan_decode` runs ``problem`` on the tensor cores."""
+    p = problem
+    return (p.dtype in ("f16", "bf16") and p.head_size in _compile.DECODE_MMA_HEAD_SIZES
+            and p.group_size >= TENSOR_CORE_MIN_GROUP)
+
+
+def split_keys(ctas: int, max_len: int, num_sms: int, tile: int, resident: int | None = None) -> tuple[int, int]:
     """``(tokens_per_part, num_parts)`` for a grid of ``ctas`` CTAs over keys ``[0, max_len)``: one partition when
-    the grid already fills the GPU, else partitions of whole ``tile`` multiples (never shorter than
-    ``_MIN_PART_TOKENS`` when split) until it holds about ``_CTAS_PER_SM_TARGET`` CTAs per SM. No partition is
-    empty. Decode and prefill split alike."""
+    the grid already fills the GPU, else partitions of whole ``tile`` multiples (at most one per
+    ``_MIN_PART_TOKENS`` keys, rounded up) until it holds about ``_CTAS_PER_SM_TARGET`` CTAs per SM. No partition
+    is empty. Decode and prefill split alike.
+
+    With ``resident`` (CTAs of the kernel that one SM holds at once), a grid smaller than one wave of
+    ``resident · num_sms`` CTAs is split into as many partitions as still fit in that one wave: no second, partly
+    empty wave (the tensor-core decode kernel, whose CTAs each keep two tiles in flight)."""
     parts = 1
-    if 0 < ctas < _SPLIT_BELOW_CTAS_PER_SM * num_sms:
-        parts = min(-(-_CTAS_PER_SM_TARGET * num_sms // ctas), max(1, -(-max_len // _MIN_PART_TOKENS)))
+    most = max(1, -(-max_len // _MIN_PART_TOKENS))  # so partitions hold more than _MIN_PART_TOKENS / 2 keys
+    if resident is not None:
+        if 0 < ctas < resident * num_sms:
+            parts = min(resident * num_sms // ctas, most)
+    elif 0 < ctas < _SPLIT_BELOW_CTAS_PER_SM * num_sms:
+        parts = min(-(-_CTAS_PER_SM_TARGET * num_sms // ctas), most)
     per_part = -(-max_len // parts)
     tokens_per_part = max(tile, -(-per_part // tile) * tile)
     return tokens_per_part, max(1, -(-max_len // tokens_per_part))
@@ -72,11 +113,20 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int) -> DecodeLaunch:
     planning reads no device data.
     """
     p = problem
+    if uses_tensor_cores(p):
+        # One CTA per (sequence, 16 query heads of a KV group, KV head) in x, KV head fastest (cta_rows in
+        # paged_prefill.cu), and per partition in z.
+        tiles = -(-p.group_size // _compile.rows_per_cta(_compile.DECODE_KEY_WARPS))
+        ctas = p.num_seqs * tiles * p.num_kv_heads
+        tokens_per_part, parts = split_keys(ctas, p.max_len, num_sms, _compile.prefill_tile_keys(p.head_size),
+                                            resident=_compile.decode_ctas_per_sm(p.head_size))
+        spec = _compile.PrefillSpec(p.dtype, p.head_size, p.kv_layout, p.bias.mode, _compile.DECODE_KEY_WARPS)
+        return DecodeLaunch(spec, (ctas, 1, parts), tokens_per_part, parts)
     hg = heads_per_cta(p.group_size)
     chunks = -(-p.group_size // hg)
     tokens_per_part, parts = split_keys(p.num_seqs * p.num_kv_heads * chunks, p.max_len, num_sms, _TILE_MULTIPLE)
     spec = _compile.DecodeSpec(p.dtype, p.head_size, p.kv_layout, hg, p.bias.mode)
-    return DecodeLaunch(spec, (p.num_seqs, p.num_kv_heads * chunks, parts), tokens_per_part, parts)
+    return DecodeLaunch(spec, (p.num_seqs * p.num_kv_heads * chunks, 1, parts), tokens_per_part, parts)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -139,6 +189,29 @@ def _decode_arguments(p: _checks.DecodeProblem, launch: DecodeLaunch) -> list[tu
     ]
 
 
+def _tensor_core_arguments(p: _checks.DecodeProblem, launch: DecodeLaunch) -> list[tuple[str, np.generic]]:
+    """paged_prefill's parameters in order for its decode tiling (no query_start_loc, no tile_info: one query row
+    per sequence), named as :func:`_decode_arguments` names them. The query is read element by element (q_vec 0):
+    its address changes with every run, so 16-byte alignment cannot be promised."""
+    i64, i32, null = np.int64, np.int32, np.uint64(0)
+    q_strides = _kernel_strides(p.query)
+    bias = p.bias.kernel_args()
+    return [
+        ("out", null), ("out.stride_s", i64(0)), ("out.stride_h", i64(0)), ("part_acc", null), ("part_ml", null),
+        ("query", null), ("query.stride_s", i64(q_strides[0])), ("query.stride_h", i64(q_strides[1])),
+        ("q_vec", i32(0)), ("query_start_loc", null), ("total_q", i32(p.num_seqs)), ("tile_info", null),
+        ("key_cache", null), ("value_cache", null), ("block_stride", i64(p.cache.block_stride)),
+        ("num_blocks", i32(p.cache.num_blocks)), ("block_shift", i32(p.cache.block_size.bit_length() - 1)),
+        ("num_kv_heads", i32(p.num_kv_heads)),
+        ("block_tables", null), ("block_tables.stride", i64(_kernel_strides(p.block_tables)[0])),
+        ("seq_lens", null), ("max_len", i32(p.max_len)), ("q_limit", i32(1)),
+        ("bias", null), ("bias.index", null), *((f"bias.stride{i}", v) for i, v in enumerate(bias[2:6])),
+        ("bias.dtype", bias[6]), ("bias.n", bias[7]), ("bias.m", bias[8]),
+        ("alibi_slopes", null), ("scale", np.float32(p.scale)), ("group_size", i32(p.group_size)),
+        ("causal", i32(0)), ("tokens_per_part", i32(launch.tokens_per_part)), ("num_parts", i32(launch.num_parts)),
+    ]
+
+
 def _kernel_strides(arr: Any) -> tuple[int, ...]:
     """Element strides of ``arr`` as the kernel sees it: its own, or a contiguous copy's if its last stride is not 1
     (such operands are copied before each launch)."""
@@ -150,6 +223,13 @@ def _kernel_strides(arr: Any) -> tuple[int, ...]:
 
 def _reduce_arguments(p: _checks.DecodeProblem, launch: DecodeLaunch) -> list[tuple[str, np.generic]]:
     i64, i32, null = np.int64, np.int32, np.uint64(0)
+    if launch.tensor_cores:  # paged_prefill_reduce
+        return [
+            ("out", null), ("out.stride_s", i64(0)), ("out.stride_h", i64(0)), ("part_acc", null),
+            ("part_ml", null), ("query_start_loc", null), ("total_q", i32(p.num_seqs)), ("tile_info", null),
+            ("num_kv_heads", i32(p.num_kv_heads)), ("group_size", i32(p.group_size)),
+            ("num_parts", i32(launch.num_parts)),
+        ]
     return [
         ("out", null), ("out.stride_s", i64(0)), ("out.stride_h", i64(0)), ("part_acc", null), ("part_ml", null),
         ("seq_lens", null), ("max_len", i32(p.max_len)), ("num_heads", i32(p.num_heads)),
@@ -242,11 +322,16 @@ class DecodePlan:
         self._framework = framework
         self._out_dtype = _interop.signature(like, framework)[0] if framework in ("torch", "cupy") else None
         self._device = device
-        self._launch = plan_decode(problem, _num_sms(device))
-        kernel, reduce_kernel = _compile.get_decode_kernels(self._launch.spec, device, _STAGE_BYTES)
+        self._launch = launch = plan_decode(problem, _num_sms(device))
+        if isinstance(launch.spec, _compile.PrefillSpec):
+            kernel, reduce_kernel, _ = _compile.get_prefill_kernels(launch.spec, device)
+            arguments = _tensor_core_arguments(problem, launch)
+        else:
+            kernel, reduce_kernel = _compile.get_decode_kernels(launch.spec, device, _STAGE_BYTES)
+            arguments = _decode_arguments(problem, launch)
         with _interop.on_device(device):  # CuPy holds a CUfunction per device
             self._function, self._reduce_function = kernel.kernel.ptr, reduce_kernel.kernel.ptr
-        self._args = _PackedArgs(_decode_arguments(problem, self._launch))
+        self._args = _PackedArgs(arguments)
         self._reduce_args = _PackedArgs(_reduce_arguments(problem, self._launch))
         self._workspace = None
         self._owns_workspace = own_workspace
@@ -388,11 +473,13 @@ class DecodePlan:
             for args in (self._args, self._reduce_args):
                 args.set("out.stride_s", np.int64(out_strides[0]))
                 args.set("out.stride_h", np.int64(out_strides[1]))
-        self._reduce_args.set_pointer("seq_lens", int(self._args.slots[self._args.index["seq_lens"]]))
-        self._args.launch(self._function, self._launch.grid, _THREADS, _STAGE_BYTES, launch_stream.ptr)
-        if self._launch.num_parts > 1:
-            self._reduce_args.launch(self._reduce_function, (q.shape[0], q.shape[1], 1), _REDUCE_THREADS, 0,
-                                     launch_stream.ptr)
+        launch = self._launch
+        self._args.launch(self._function, launch.grid, launch.threads, launch.shared_mem, launch_stream.ptr)
+        if launch.num_parts > 1:
+            if not launch.tensor_cores:
+                self._reduce_args.set_pointer("seq_lens", int(self._args.slots[self._args.index["seq_lens"]]))
+            grid, threads = launch.reduce_grid(q.shape[0], q.shape[1])
+            self._reduce_args.launch(self._reduce_function, grid, threads, 0, launch_stream.ptr)
         return _interop.finish(self._framework, result)
 
 
@@ -406,7 +493,8 @@ def _cached_plan(problem: _checks.DecodeProblem, framework: str, device: int, li
                  stream: Any) -> DecodePlan:
     p, b = problem, problem.bias
     key = (
-        framework, device, stream.ptr, p.dtype, p.head_size, p.kv_layout, p.num_seqs, p.num_heads, p.num_kv_heads,
+        framework, device, _num_sms(device), TENSOR_CORE_MIN_GROUP, stream.ptr,
+        p.dtype, p.head_size, p.kv_layout, p.num_seqs, p.num_heads, p.num_kv_heads,
         p.max_len, p.scale, _kernel_strides(p.query), _kernel_strides(p.block_tables), dataclasses.astuple(p.cache),
         b.mode, b.strides, b.dtype, b.n, b.m, p.alibi_slopes is None,
     )
@@ -461,7 +549,10 @@ def paged_attention(
         out[s, h] = sum_j softmax(logit)[j] * v[s, j, h // G]
 
     where ``k[s, j]`` is row ``j % block_size`` of page ``block_tables[s, j // block_size]``. Softmax and
-    accumulation run in float32 whatever the storage dtype. The bias is added after scaling, as in vLLM, xformers
+    accumulation run in float32 whatever the storage dtype. Grouped-query float16 / bfloat16 decode (two or more
+    query heads per KV head, head sizes up to 128) runs on the tensor cores, which round the softmax weights to the
+    storage dtype before they multiply ``v`` (as FlashAttention does); the rest runs an FP32 kernel. The bias is
+    added after scaling, as in vLLM, xformers
     and SDPA's float mask; the formula of vLLM PR #11334, ``softmax((Q K^T + A) / sqrt(d))``, is
     ``attn_bias = A * scale``.
 

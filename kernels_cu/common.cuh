@@ -207,6 +207,8 @@ __device__ __forceinline__ int clamped_len(const int* seq_lens, int s, int max_l
 //   view.limit(len)         the keys the bias covers: len, or fewer when a ragged bias is too short
 //   view.load(h, i, p, j)   the raw bias bits of query head h, query row i (0 in decode) at absolute position p,
 //                           key position j; load early, convert late:
+//   view.row(h, i, p)       the same for one (h, i, p) and many keys: row.load(j), with the row's address
+//                           arithmetic done once (a kernel's inner loop then pays one multiply-add per key)
 //   bias.value(raw)         the float the logit gets
 //
 // `enabled` is a compile-time constant, so a kernel built with NoBias contains no bias code at all (`if constexpr`).
@@ -238,12 +240,24 @@ __device__ __forceinline__ float bias_bits_to_float(unsigned bits, int dtype) {
   return dtype == kBiasF16 ? as_half : as_wide;
 }
 
+// A row of an array in memory: element j at base + j·step. Dense and ragged biases alike.
+struct StridedRow {
+  const void* ptr;
+  long long base, step;
+  int dtype;
+  __device__ __forceinline__ unsigned load(int j) const { return load_bias_bits(ptr, base + j * step, dtype); }
+};
+
 struct NoBias {
   static constexpr bool enabled = false;
   using Raw = unsigned;
   struct Seq {
+    struct Row {
+      __device__ __forceinline__ Raw load(int) const { return 0u; }
+    };
     __device__ __forceinline__ int limit(int len) const { return len; }
     __device__ __forceinline__ Raw load(int, int, int, int) const { return 0u; }
+    __device__ __forceinline__ Row row(int, int, int) const { return {}; }
   };
   static __device__ __forceinline__ NoBias make(const BiasArgs&) { return {}; }
   __device__ __forceinline__ Seq seq(int) const { return {}; }
@@ -260,8 +274,12 @@ struct DenseBias {
     BiasArgs a;  // a copy: registers, never a pointer into the CTA's locals
     long long base;
     __device__ __forceinline__ int limit(int len) const { return len; }
+    using Row = StridedRow;
     __device__ __forceinline__ Raw load(int h, int i, int, int j) const {
       return load_bias_bits(a.ptr, base + h * a.stride[1] + i * a.stride[2] + j * a.stride[3], a.dtype);
+    }
+    __device__ __forceinline__ Row row(int h, int i, int) const {
+      return {a.ptr, base + h * a.stride[1] + i * a.stride[2], a.stride[3], a.dtype};
     }
   };
   static __device__ __forceinline__ DenseBias make(const BiasArgs& args) { return {args}; }
@@ -279,8 +297,12 @@ struct RaggedBias {
     BiasArgs a;  // a copy: registers, never a pointer into the CTA's locals
     int first, rows;  // first row of the sequence, rows it may use
     __device__ __forceinline__ int limit(int len) const { return min(len, rows); }
+    using Row = StridedRow;
     __device__ __forceinline__ Raw load(int h, int, int, int j) const {
       return load_bias_bits(a.ptr, static_cast<long long>(first + j) * a.stride[0] + h * a.stride[1], a.dtype);
+    }
+    __device__ __forceinline__ Row row(int h, int, int) const {
+      return {a.ptr, static_cast<long long>(first) * a.stride[0] + h * a.stride[1], a.stride[0], a.dtype};
     }
   };
   static __device__ __forceinline__ RaggedBias make(const BiasArgs& args) { return {args}; }
@@ -301,18 +323,25 @@ struct T5Bias {
   static constexpr bool enabled = true;
   using Raw = unsigned;
   BiasArgs a;
+  // Most keys of a long sequence are far from the query: their bucket needs no table read, so the weight's load
+  // never waits on another load. far: the bucket of every distance >= max_distance (on one side).
+  static __device__ __forceinline__ Raw load_at(const BiasArgs& a, int far, int h, int p, int j) {
+    const int rel = j - p;
+    const int distance = a.m > 0 ? abs(rel) : max(-rel, 0);
+    const int bucket = (a.m > 0 && rel > 0 ? a.m : 0) + (distance >= a.n ? far : __ldg(a.index + distance));
+    return load_bias_bits(a.ptr, bucket * a.stride[0] + h * a.stride[1], a.dtype);
+  }
   struct Seq {
     BiasArgs a;  // a copy: registers, never a pointer into the CTA's locals
-    int far;     // the bucket of every distance >= max_distance (on one side)
+    int far;
+    struct Row {
+      BiasArgs a;
+      int far, h, p;
+      __device__ __forceinline__ Raw load(int j) const { return load_at(a, far, h, p, j); }
+    };
     __device__ __forceinline__ int limit(int len) const { return len; }
-    // Most keys of a long sequence are far from the query: their bucket needs no table read, so the weight's
-    // load never waits on another load.
-    __device__ __forceinline__ Raw load(int h, int, int p, int j) const {
-      const int rel = j - p;
-      const int distance = a.m > 0 ? abs(rel) : max(-rel, 0);
-      const int bucket = (a.m > 0 && rel > 0 ? a.m : 0) + (distance >= a.n ? far : __ldg(a.index + distance));
-      return load_bias_bits(a.ptr, bucket * a.stride[0] + h * a.stride[1], a.dtype);
-    }
+    __device__ __forceinline__ Raw load(int h, int, int p, int j) const { return load_at(a, far, h, p, j); }
+    __device__ __forceinline__ Row row(int h, int, int p) const { return {a, far, h, p}; }
   };
   static __device__ __forceinline__ T5Bias make(const BiasArgs& args) { return {args}; }
   __device__ __forceinline__ Seq seq(int) const { return {a, __ldg(a.index + a.n)}; }

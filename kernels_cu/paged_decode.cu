@@ -4,7 +4,10 @@
 //   x_h(j)   = scale·<q_h, k_j> + alibi_h·(j − len + 1) + bias(s, h, j)        for key positions j < len
 //   out_h    = Σ_j softmax_j(x_h)·v_j                                          (float32 math, any storage dtype)
 //
-// One CTA per (sequence, KV head, chunk of up to HG query heads of that KV head's group, partition of the keys).
+// One CTA per (sequence, KV head, chunk of up to HG query heads of that KV head's group, partition of the keys):
+// blockIdx.x = (s·num_kv_heads + kvh)·chunks + chunk, so that the CTAs of one sequence run side by side (a
+// RaggedBias row holds every head of a key: each of its sectors is then fetched once, not once per head), and
+// blockIdx.z = partition.
 // The CTA reads each key/value page of its partition once for all its query heads, in tiles of TILE tokens
 // pipelined through shared memory, with an online softmax across tiles:
 //   m = running max of x, l = running sum of exp(x − m), acc = running Σ exp(x − m)·v.
@@ -94,11 +97,12 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
 
   extern __shared__ uint4 stage_s[];  // [kStages][K, V][TILE][NVEC]; then the epilogue's [TZ][HG][HEAD + 2]
 
-  const int s = blockIdx.x;
   const int num_chunks = (group_size + HG - 1) / HG;
-  const int kvh = blockIdx.y / num_chunks;
-  const int head0 = kvh * group_size + (blockIdx.y % num_chunks) * HG;  // first query head of this CTA
-  const int nh = min(HG, group_size - (blockIdx.y % num_chunks) * HG);  // query heads in use
+  const int s = static_cast<int>(blockIdx.x) / (num_kv_heads * num_chunks);
+  const int y = static_cast<int>(blockIdx.x) % (num_kv_heads * num_chunks);  // (KV head, chunk)
+  const int kvh = y / num_chunks;
+  const int head0 = kvh * group_size + (y % num_chunks) * HG;  // first query head of this CTA
+  const int nh = min(HG, group_size - (y % num_chunks) * HG);  // query heads in use
   const int part = blockIdx.z;
 
   const int tid = threadIdx.x;
@@ -130,6 +134,7 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
       q[v][e] = head_used && c < NVEC ? scale * to_float(query[s * q_stride_s + h * q_stride_h + c * VEC + e]) : 0.0f;
     }
   const float slope = alibi_slopes != nullptr && head_used ? alibi_slopes[h] : 0.0f;
+  const typename Bias::Seq::Row bias_row = seq_bias.row(h, 0, len - 1);  // this thread's head's bias
 
   // ---- Prefetch rings, one slot per stage (a tile's slot is its index mod kStages).
   int cblk_r[kStages][kVecsPerThread];      // copy side: block id of each vector this thread copies
@@ -186,7 +191,7 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
       ok_r[st][i] = k < TPT && is_key(j, xblk_r[st][i]);
       if constexpr (Bias::enabled) {
         bias_r[st][i] = typename Bias::Raw{};
-        if (k < TPT && j < end && head_used) bias_r[st][i] = seq_bias.load(h, 0, len - 1, j);
+        if (k < TPT && j < end && head_used) bias_r[st][i] = bias_row.load(j);
       }
     }
   };

@@ -16,11 +16,12 @@
 // 16-bit dtypes run on the tensor cores (mma.sync m16n8k16, float32 accumulators); float32 runs a plain SIMT kernel
 // (paged_prefill_simt: correct, not fast; no TF32, whose rounding would miss the 2e-5 tolerance).
 //
-// Tensor-core kernel, per CTA: 4 warps, warp w owns packed rows 16w ... 16w + 15.
+// Tensor-core kernel, per CTA: 4 warps, warp w owns packed rows 16w ... 16w + 15 (prefill), or all 4 warps own
+// the same 16 rows and split each tile's keys (decode: KEY_WARPS = 4, see PrefillLayout).
 //   S = Q·Kᵀ      A = Q from registers (ldmatrix from shared memory once), B = K tile via ldmatrix
 //   online softmax on S in registers (base 2): m = running row max, l = running Σ 2^(x − m)
 //   O += P·V      A = P (the S accumulators, rounded to 16 bits), B = V tile via ldmatrix.trans
-// K and V tiles of TILE_N keys travel global -> shared by cp.async, double-buffered, one barrier per tile; the byte
+// K and V tiles of TILE_N keys travel global -> shared by cp.async, STAGES deep, one barrier per tile; the byte
 // offset of each key's page row is computed once per key (page_s) so that a copy costs a shared load and two adds.
 // Rows of shared memory are padded by one 16-byte vector (an odd number of vectors per row), so the 8 rows that one
 // ldmatrix matrix reads fall in 8 different bank groups. Head sizes up to 96 run three CTAs per SM (Q re-read from
@@ -43,9 +44,9 @@ namespace cpa {
 // ---------------------------------------------------------------------------------------------------------------
 constexpr int kPrefillThreads = 128;  // 4 warps
 constexpr int kRowsPerWarp = 16;      // the M of one mma
-constexpr int kRowsPerCta = kRowsPerWarp * kPrefillThreads / kWarpSize;  // 64 packed (token, head) rows
+constexpr int kPrefillWarps = kPrefillThreads / kWarpSize;
+constexpr int kRowsPerCta = kRowsPerWarp * kPrefillWarps;  // 64 packed (token, head) rows, warps split rows
 constexpr int kPrefillStages = 2;     // K/V tiles in shared memory: one computing, one landing
-constexpr int kPageBuffers = 3;       // tiles whose page offsets are in shared memory (see page_s)
 constexpr int kRelTableMax = 640;     // floats of one per-tile relative-bias table (T5)
 constexpr int kPlanThreads = 1024;
 constexpr int kPrefillReduceThreads = 128;
@@ -67,6 +68,28 @@ __device__ __forceinline__ int2 query_rows(const int* query_start_loc, int s, in
   const int q0 = min(max(query_start_loc[s], 0), total_q);
   const int q1 = min(max(query_start_loc[s + 1], q0), total_q);
   return make_int2(q0, q1 - q0);
+}
+
+// The rows of this CTA: sequence s (−1 for a spare tile of the host-sized grid), its M tile, the sequence's first
+// query row q0 and q_len, and the KV head. Prefill: blockIdx.x is a tile of the plan's tile_info, blockIdx.y the KV
+// head. Decode passes no query_start_loc: one query row per sequence (row s), ceil(G / rows) M tiles per
+// sequence, and blockIdx.x = (s·tiles + tile)·num_kv_heads + kvh, so that the CTAs of one sequence run side by
+// side (a RaggedBias row holds every head of a key: each sector is then fetched once, not once per KV head).
+struct CtaRows {
+  int s, tile, q0, q_len, kvh;
+};
+__device__ __forceinline__ CtaRows cta_rows(const int2* tile_info, const int* query_start_loc, int total_q, int G,
+                                            int num_kv_heads, int rows) {
+  if (query_start_loc == nullptr) {
+    const int tiles = (G + rows - 1) / rows;
+    const int kvh = static_cast<int>(blockIdx.x) % num_kv_heads;
+    const int st = static_cast<int>(blockIdx.x) / num_kv_heads;
+    return {st / tiles, st % tiles, st / tiles, 1, kvh};
+  }
+  const int2 info = tile_info[blockIdx.x];
+  if (info.x < 0) return {-1, 0, 0, 0, 0};
+  const int2 q = query_rows(query_start_loc, info.x, total_q);
+  return {info.x, info.y, q.x, q.y, static_cast<int>(blockIdx.y)};
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -108,44 +131,61 @@ __global__ void __launch_bounds__(kPlanThreads) paged_prefill_plan(const int* __
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Layout of one tensor-core specialisation (16-bit T).
+// Layout of one tensor-core specialisation (16-bit T). KEY_WARPS says how the 4 warps share a tile:
+//   1 (prefill): each warp owns 16 packed rows of the CTA's 64 and computes them against every key of the tile;
+//   4 (decode):  the CTA has 16 rows (the query heads of one KV head, one query token each) and each warp computes
+//                them against its quarter of the tile's keys, with its own online softmax; the warps' (m, l, acc)
+//                are combined once, at the end, as split-K partitions are. Memory-bound, so its pipeline is deeper.
 // ---------------------------------------------------------------------------------------------------------------
-template <typename T, int HEAD>
+__host__ __device__ constexpr int rows_per_cta(int key_warps) { return kRowsPerWarp * kPrefillWarps / key_warps; }
+
+template <typename T, int HEAD, int KEY_WARPS>
 struct PrefillLayout {
+  static constexpr bool kDecode = KEY_WARPS > 1;
+  static constexpr int ROWS = rows_per_cta(KEY_WARPS);     // packed (token, head) rows per CTA
   static constexpr int VEC = vec_elems<T>();               // 8 elements per 16-byte vector
   static constexpr int HEAD_P = (HEAD + 15) / 16 * 16;     // head size padded to the mma's k (120 -> 128)
   static constexpr int NV = HEAD_P / VEC;                  // vectors per padded row (even)
   static constexpr int NV_REAL = HEAD / VEC;               // of those, vectors that hold data (the rest are zeros)
   static constexpr int ROW = NV + 1;                       // row pitch in vectors: odd, so ldmatrix is conflict-free
   static constexpr int TILE_N = HEAD <= 128 ? 64 : 32;     // keys per tile
+  static constexpr int KEYS_W = TILE_N / KEY_WARPS;        // keys of a tile that one warp computes
   static constexpr int KSTEPS = HEAD_P / 16;               // k steps of S = Q·Kᵀ
-  static constexpr int NT_S = TILE_N / 8;                  // n tiles of S
+  static constexpr int NT_S = KEYS_W / 8;                  // n tiles of a warp's S
   static constexpr int NT_O = HEAD_P / 8;                  // n tiles of O
   static constexpr int COPIES = (TILE_N * NV + kPrefillThreads - 1) / kPrefillThreads;  // K, V vectors per thread
   static constexpr bool kCopiesEven = TILE_N * NV % kPrefillThreads == 0;  // else the last slot is some threads'
-  // CTAs per SM: three where their shared memory fits (more warps to hide latency), with Q's A fragments re-read
-  // from shared memory each tile to stay within 168 registers; else two, with Q in registers up to HEAD 192.
-  static constexpr int kCtasPerSm = HEAD <= 96 ? 3 : 2;
-  static constexpr bool kQInRegs = kCtasPerSm == 2 && HEAD <= 192;
-  // Shared memory, in bytes: Q_s [kRowsPerCta][ROW], KV_s [stage][K, V][TILE_N][ROW] (16-byte vectors),
-  // page_s [3][TILE_N] long longs, rel_s [2][kRelTableMax] floats, far_s [2][kRowsPerCta] floats.
-  static constexpr int kQBytes = kRowsPerCta * ROW * kVecBytes;
-  static constexpr int kKVBytes = kPrefillStages * 2 * TILE_N * ROW * kVecBytes;
-  static constexpr int kPageBytes = kPageBuffers * TILE_N * 8;
-  static constexpr int kRelBytes = (2 * kRelTableMax + 2 * kRowsPerCta) * 4;
+  // CTAs per SM. Prefill: three where their shared memory fits (more warps to hide latency), with Q's A fragments
+  // re-read from shared memory each tile to stay within 168 registers; else two, with Q in registers up to HEAD
+  // 192. Decode: three CTAs up to HEAD 64, else two, each with two tiles in flight while it computes a third
+  // (64 KB per CTA at HEAD 128), Q in registers.
+  static constexpr int kCtasPerSm = kDecode ? (HEAD_P <= 64 ? 3 : 2) : HEAD <= 96 ? 3 : 2;
+  static constexpr bool kQInRegs = kDecode || (kCtasPerSm == 2 && HEAD <= 192);
+  static constexpr int STAGES = kDecode ? 3 : kPrefillStages;  // K/V tiles in shared memory
+  static constexpr int PAGE_BUFFERS = STAGES + 1;  // tiles whose page offsets are in shared memory (see page_s)
+  // Decode has one query position per CTA: T5 reads its table per logit (most tiles are far ones anyway).
+  static constexpr int REL_TABLE = kDecode ? 0 : kRelTableMax;
+  // Shared memory, in bytes: Q_s [ROWS][ROW], KV_s [STAGES][K, V][TILE_N][ROW] (16-byte vectors),
+  // page_s [PAGE_BUFFERS][TILE_N] long longs, rel_s [2][REL_TABLE] floats, far_s [2][ROWS] floats.
+  static constexpr int kQBytes = ROWS * ROW * kVecBytes;
+  static constexpr int kKVBytes = STAGES * 2 * TILE_N * ROW * kVecBytes;
+  static constexpr int kPageBytes = PAGE_BUFFERS * TILE_N * 8;
+  static constexpr int kRelBytes = (2 * REL_TABLE + 2 * ROWS) * 4;
   static constexpr int kSmemBytes = kQBytes + kKVBytes + kPageBytes + kRelBytes;
   static_assert(sizeof(T) == 2, "the tensor-core kernel takes float16 / bfloat16");
   static_assert(kCtasPerSm * (kSmemBytes + 1024) <= 227 * 1024, "the CTAs per SM fit in an H100/H200 SM");
   static_assert(HEAD % VEC == 0 && NV % 2 == 0, "whole vectors, pairs of 8-column matrices");
-  static_assert(TILE_N % 16 == 0, "P·V takes keys 16 at a time");
+  static_assert(KEYS_W % 16 == 0, "P·V takes keys 16 at a time");
+  static_assert(!kDecode || KEY_WARPS * ROWS * (HEAD_P + 2) * 4 <= kKVBytes, "the warps combine in the K/V stages");
 };
 
 // ---------------------------------------------------------------------------------------------------------------
 // The tensor-core kernel. Template parameters: T (__half / __nv_bfloat16), HEAD, cache LAYOUT, Bias = NoBias,
-// DenseBias or T5Bias (common.cuh). Run-time: page size (block_shift), causal, ALiBi, bias dtype, split.
+// DenseBias, RaggedBias (decode) or T5Bias (common.cuh), KEY_WARPS (see PrefillLayout). Run-time: page size
+// (block_shift), causal, ALiBi, bias dtype, split. Decode passes query_start_loc = tile_info = null (cta_rows).
 // ---------------------------------------------------------------------------------------------------------------
-template <typename T, int HEAD, KvLayout LAYOUT, typename Bias>
-__global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD>::kCtasPerSm) paged_prefill(
+template <typename T, int HEAD, KvLayout LAYOUT, typename Bias, int KEY_WARPS>
+__global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WARPS>::kCtasPerSm) paged_prefill(
     T* __restrict__ out, long long out_stride_t, long long out_stride_h,  // [total_q, num_heads, HEAD]
     float* __restrict__ part_acc,  // [num_parts, total_q, num_heads, HEAD], used when num_parts > 1
     float* __restrict__ part_ml,   // [num_parts, total_q, num_heads, 2] = (m, l) in base 2
@@ -160,37 +200,39 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD>::kCtas
     long long bias_stride_2, long long bias_stride_3, int bias_dtype, int bias_n, int bias_m,  // BiasArgs
     const float* __restrict__ alibi_slopes,  // [num_heads] or null
     float scale, int group_size, int causal, int tokens_per_part, int num_parts) {
-  using L = PrefillLayout<T, HEAD>;
+  using L = PrefillLayout<T, HEAD, KEY_WARPS>;
   using Cache = PagedCache<T, HEAD, LAYOUT>;
   constexpr int NV = L::NV, NV_REAL = L::NV_REAL, ROW = L::ROW, TILE_N = L::TILE_N, KSTEPS = L::KSTEPS;
   constexpr int NT_S = L::NT_S, NT_O = L::NT_O, COPIES = L::COPIES;
+  constexpr int ROWS = L::ROWS, STAGES = L::STAGES, PAGE_BUFFERS = L::PAGE_BUFFERS, REL_TABLE = L::REL_TABLE;
   constexpr bool kT5 = SameType<Bias, T5Bias>::value;
 
   extern __shared__ uint4 smem[];
-  uint4* q_s = smem;                                   // [kRowsPerCta][ROW]
-  uint4* kv_s = q_s + kRowsPerCta * ROW;               // [stage][K, V][TILE_N][ROW]
-  long long* page_s = reinterpret_cast<long long*>(kv_s + kPrefillStages * 2 * TILE_N * ROW);  // [3][TILE_N]
-  float* rel_s = reinterpret_cast<float*>(page_s + kPageBuffers * TILE_N);                    // [2][kRelTableMax]
-  float* far_s = rel_s + 2 * kRelTableMax;                                         // [2][kRowsPerCta]
+  uint4* q_s = smem;                                   // [ROWS][ROW]
+  uint4* kv_s = q_s + ROWS * ROW;                      // [stage][K, V][TILE_N][ROW]
+  long long* page_s = reinterpret_cast<long long*>(kv_s + STAGES * 2 * TILE_N * ROW);  // [PAGE_BUFFERS][TILE_N]
+  float* rel_s = reinterpret_cast<float*>(page_s + PAGE_BUFFERS * TILE_N);            // [2][REL_TABLE]
+  float* far_s = rel_s + 2 * REL_TABLE;                                               // [2][ROWS]
 
-  const int2 info = tile_info[blockIdx.x];
-  const int s = info.x;
+  const CtaRows cta = cta_rows(tile_info, query_start_loc, total_q, group_size, num_kv_heads, ROWS);
+  const int s = cta.s;
   if (s < 0) return;  // a spare tile of the host-sized grid (uniform over the CTA: no barrier is skipped)
-  const int m0 = info.y * kRowsPerCta;  // first packed row of this CTA
-  const int kvh = blockIdx.y;
+  const int m0 = cta.tile * ROWS;  // first packed row of this CTA
+  const int kvh = cta.kvh;
   const int part = blockIdx.z;
   const int G = group_size;
   const int tid = threadIdx.x;
   const int warp = tid / kWarpSize;
   const int lane = tid % kWarpSize;
+  const int row_warp = warp / KEY_WARPS;         // this warp's rows: 16·row_warp ... of the CTA's
+  const int key0 = (warp % KEY_WARPS) * L::KEYS_W;  // and its keys: key0 ... key0 + KEYS_W − 1 of each tile
   const int qr = lane / 4;  // fragment row (and row + 8)
   const int qc = lane % 4;  // fragment column pair
 
   const Bias bias = Bias::make(BiasArgs{bias_ptr, bias_index, {bias_stride_0, bias_stride_1, bias_stride_2,
                                         bias_stride_3}, bias_dtype, bias_n, bias_m});
   const typename Bias::Seq seq_bias = bias.seq(s);
-  const int2 qrows = query_rows(query_start_loc, s, total_q);
-  const int q0 = qrows.x, q_len = qrows.y;
+  const int q0 = cta.q0, q_len = cta.q_len;
   const int len = seq_bias.limit(clamped_len(seq_lens, s, max_len));
   const int pos0 = len - q_len;  // absolute position of query row 0
   const int rows_total = q_len * G;
@@ -198,7 +240,7 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD>::kCtas
   const int kend = min(kstart + tokens_per_part, len);
 
   // Rows of the whole CTA: the last one written, and the position span (for the causal key range, T5's table).
-  const int last_row = min(rows_total, m0 + kRowsPerCta) - 1;
+  const int last_row = min(rows_total, m0 + ROWS) - 1;
   const int i_first = m0 / G;
   const int i_last = last_row / G;
   const int p_first = pos0 + i_first;
@@ -213,7 +255,7 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD>::kCtas
   int warp_min_end = 1 << 30;
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
-    const int R = m0 + warp * kRowsPerWarp + qr + 8 * hf;
+    const int R = m0 + row_warp * kRowsPerWarp + qr + 8 * hf;
     const int i = R / G;
     const int g = R % G;
     row_written[hf] = R < rows_total;
@@ -234,7 +276,7 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD>::kCtas
   // T5 through a per-tile table in shared memory: the bias depends on (head, j − p) only, so a tile needs
   // G·(TILE_N + p_last − p_first) values instead of one load chain per logit. Too large a group: per logit.
   const int rel_w = TILE_N + p_last - p_first;
-  const bool use_rel = kT5 && G * rel_w <= kRelTableMax;
+  const bool use_rel = kT5 && G * rel_w <= REL_TABLE;
   // Far tiles: T5's bias is one value per direction for keys at least max_distance (bias_n) before the query, and
   // for keys at least far_after after it (max_distance when bidirectional; 0 otherwise: one bucket for all later
   // keys). A tile whose keys are all that far from every row of the CTA adds a per-row constant: no table, no
@@ -250,9 +292,9 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD>::kCtas
   if (kT5 && qc == 0) {
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      const int r = warp * kRowsPerWarp + qr + 8 * hf;
+      const int r = row_warp * kRowsPerWarp + qr + 8 * hf;
       far_s[r] = bias.value(seq_bias.load(row_h[hf], 0, 0, -bias_n)) * kLog2e;
-      far_s[kRowsPerCta + r] = bias.value(seq_bias.load(row_h[hf], 0, 0, far_after)) * kLog2e;
+      far_s[ROWS + r] = bias.value(seq_bias.load(row_h[hf], 0, 0, far_after)) * kLog2e;
     }
   }
 
@@ -264,7 +306,7 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD>::kCtas
   auto v_s = [&](int st, int t, int c) -> uint4* { return &kv_s[((st * 2 + 1) * TILE_N + t) * ROW + c]; };
 
   // ---- Q tile -> shared memory (zeros for rows past the sequence and for padding), then A fragments.
-  for (int idx = tid; idx < kRowsPerCta * NV; idx += kPrefillThreads) {
+  for (int idx = tid; idx < ROWS * NV; idx += kPrefillThreads) {
     const int r = idx / NV;
     const int c = idx % NV;
     const int R = m0 + r;
@@ -294,17 +336,17 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD>::kCtas
       for (int e = tid; e < G * rel_w; e += kPrefillThreads) {
         const int g = e / rel_w;
         const int w = e % rel_w;
-        rel_s[b * kRelTableMax + e] = bias.value(seq_bias.load(kvh * G + g, 0, p_last, t0 + w)) * kLog2e;
+        rel_s[b * REL_TABLE + e] = bias.value(seq_bias.load(kvh * G + g, 0, p_last, t0 + w)) * kLog2e;
       }
     }
   };
 
-  // ---- Pages. page_s[u % 3][t] is the byte offset, in the key cache, of vector 0 of key t of tile u (head kvh):
-  // its page's plus its token's. −1 when its block id lies outside the cache (never dereferenced: the key is
-  // masked; validate=True reports it), −2 for keys past loop_end. Thread t < TILE_N loads key t's block id one tile
-  // early (load_id, into a register) and stores the offset at the end of that tile (store_page): tile u's offsets
-  // are written in iteration u − 2, read by its copies in iteration u − 1 and by its masks in iteration u, so three
-  // buffers never collide. Each copy is then one shared load and two 64-bit adds.
+  // ---- Pages. page_s[u % PAGE_BUFFERS][t] is the byte offset, in the key cache, of vector 0 of key t of tile u
+  // (head kvh): its page's plus its token's. −1 when its block id lies outside the cache (never dereferenced: the
+  // key is masked; validate=True reports it), −2 for keys past loop_end. Thread t < TILE_N loads key t's block id
+  // one tile early (load_id, into a register) and stores the offset at the end of that tile (store_page): tile u's
+  // offsets are written in iteration u − STAGES, read by its copies in iteration u − STAGES + 1 and by its masks in
+  // iteration u, so STAGES + 1 buffers never collide. Each copy is then one shared load and two 64-bit adds.
   int pending_blk = 0;
   bool pending_in = false;
   auto load_id = [&](int t0) {
@@ -319,7 +361,7 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD>::kCtas
       const bool blk_ok = pending_blk >= 0 && pending_blk < num_blocks;
       const long long at = static_cast<long long>(pending_blk) * cache_block_stride +
                            cache.page_offset((t0 + tid) & block_mask, kvh, 0);
-      page_s[(u % kPageBuffers) * TILE_N + tid] =
+      page_s[(u % PAGE_BUFFERS) * TILE_N + tid] =
           !pending_in ? -2 : blk_ok ? at * static_cast<long long>(sizeof(T)) : -1;
     }
   };
@@ -338,7 +380,7 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD>::kCtas
   const char* key_bytes = reinterpret_cast<const char*>(key_cache) + col_bytes;
   const char* value_bytes = reinterpret_cast<const char*>(value_cache) + col_bytes;
   auto issue = [&](int st, int u, int t0) -> bool {
-    const long long* pages = page_s + (u % kPageBuffers) * TILE_N;
+    const long long* pages = page_s + (u % PAGE_BUFFERS) * TILE_N;
     bool all_ok = true;
 #pragma unroll
     for (int k = 0; k < COPIES; ++k) {
@@ -373,14 +415,55 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD>::kCtas
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
 
-  bool ok_next = true;
+  // Bias bits of a tile's logits for this thread's fragment (rows qr, qr + 8; keys key0 + 8nt + 2qc + {0, 1}).
+  // Prefill loads them as a tile starts, to travel during its S = Q·Kᵀ. Decode, whose tiles are short and wait on
+  // memory, loads them two tiles ahead into a ring of two register arrays (the tile loop is unrolled by two, so each
+  // slot is a compile-time array: no register waits on a load before its tile uses it). (T5 reads in place, below:
+  // its loads hit L1.)
+  // A key past a row's end reads the row's last key instead (its logit is masked), so that the loads need no
+  // branch; rows without keys read nothing.
+  constexpr bool kBiasLoads = Bias::enabled && !kT5;
+  constexpr bool kBiasAhead = kBiasLoads && L::kDecode;
+  using BiasFrag = typename Bias::Raw[NT_S][4];
+  const typename Bias::Seq::Row bias_rows[2] = {seq_bias.row(row_h[0], row_i[0], row_p[0]),
+                                                seq_bias.row(row_h[1], row_i[1], row_p[1])};
+  auto load_bias = [&](BiasFrag& raw, int t0) {
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hf = e / 2;
+        const int j = min(t0 + key0 + nt * 8 + 2 * qc + (e & 1), row_end[hf] - 1);
+        raw[nt][e] = row_end[hf] > kstart ? bias_rows[hf].load(j) : 0u;
+      }
+  };
+  constexpr int RING = kBiasAhead ? 2 : 1;
+  BiasFrag ring[RING];
+  if constexpr (kBiasAhead) {
+    load_bias(ring[0], kstart);
+    load_bias(ring[1], kstart + TILE_N);
+  }
+
+  // Whether every key this thread copied for tile u lies in the cache: bit u % 32 (u's copies are issued
+  // STAGES − 1 < 32 tiles before u is computed).
+  unsigned ok_bits = ~0u;
+  auto issue_tile = [&](int u) {
+    if (u < num_tiles) {
+      const unsigned bit = 1u << (u % 32);
+      ok_bits = issue(u % STAGES, u, kstart + u * TILE_N) ? ok_bits | bit : ok_bits & ~bit;
+    } else {
+      cp_async_commit();  // an empty group keeps the count of groups in flight per tile
+    }
+  };
   if (num_tiles > 0) {  // (uniform over the CTA)
-    load_id(kstart);
-    store_page(0, kstart);
-    load_id(kstart + TILE_N);
-    store_page(1, kstart + TILE_N);
-    __syncthreads();  // the first two tiles' page offsets are visible to every thread's copies
-    ok_next = issue(0, 0, kstart);
+#pragma unroll
+    for (int u = 0; u < STAGES; ++u) {
+      load_id(kstart + u * TILE_N);
+      store_page(u, kstart + u * TILE_N);
+    }
+    __syncthreads();  // the first tiles' page offsets are visible to every thread's copies
+#pragma unroll
+    for (int u = 0; u < STAGES - 1; ++u) issue_tile(u);
     if (use_rel && far_kind(kstart) == 0) fill_rel(0, kstart);
   }
   __syncthreads();  // Q_s (and far_s) are complete before the warps read them
@@ -388,216 +471,275 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD>::kCtas
   unsigned qa[L::kQInRegs ? KSTEPS : 1][4];
   if constexpr (L::kQInRegs) {
 #pragma unroll
-    for (int kk = 0; kk < KSTEPS; ++kk) ldmatrix_x4(qa[kk], &q_s[(warp * kRowsPerWarp + lane % 16) * ROW + 2 * kk + lane / 16]);
+    for (int kk = 0; kk < KSTEPS; ++kk)
+      ldmatrix_x4(qa[kk], &q_s[(row_warp * kRowsPerWarp + lane % 16) * ROW + 2 * kk + lane / 16]);
   }
   const float scale2 = scale * kLog2e;
   const bool has_alibi = alibi_slopes != nullptr;
 
-  for (int tile = 0; tile < num_tiles; ++tile) {
-    const int st = tile % kPrefillStages;
-    const int t0 = kstart + tile * TILE_N;
-    cp_async_wait<0>();  // this thread's copies of this tile have landed (the only group in flight)
-    // Every thread's copies of this tile (and its T5 table, its key flags) are visible, and every thread is done
-    // with the previous tile, whose stage the copies issued next overwrite. Also: are all keys of it in the cache?
-    const bool tile_ok = __syncthreads_and(ok_next);
-    if (tile + 1 < num_tiles) {
-      ok_next = issue((tile + 1) % kPrefillStages, tile + 1, t0 + TILE_N);
-      load_id(t0 + 2 * TILE_N);
-    }
+  for (int tile0 = 0; tile0 < num_tiles; tile0 += RING) {
+#pragma unroll
+    for (int slot = 0; slot < RING; ++slot) {  // (decode: each ring slot is a compile-time register array)
+      const int tile = tile0 + slot;
+      if (tile >= num_tiles) break;  // the same for every thread of the CTA
+      const int st = tile % STAGES;
+      const int t0 = kstart + tile * TILE_N;
+      cp_async_wait<STAGES - 2>();  // this thread's copies of this tile have landed (the younger groups may not)
+      // Every thread's copies of this tile (and its T5 table, its key flags) are visible, and every thread is done
+      // with the previous tile, whose stage the copies issued next overwrite. Also: are all keys of it in the cache?
+      const bool tile_ok = __syncthreads_and((ok_bits >> (tile % 32)) & 1u);
+      issue_tile(tile + STAGES - 1);
+      if (tile + STAGES < num_tiles) load_id(t0 + STAGES * TILE_N);
 
-    if (warp_active) {
-      const bool need_mask = !(tile_ok && t0 + TILE_N <= warp_min_end);
-      // ---- Bias bits of this tile's logits, loaded first so that they travel during the matrix product.
-      // (T5 without its table reads in place, below: its loads hit L1, and 32 more live registers would spill.)
-      typename Bias::Raw braw[NT_S][4];
-      if constexpr (Bias::enabled && !kT5) {
+      if (warp_active) {
+        const bool need_mask = !(tile_ok && t0 + TILE_N <= warp_min_end);
+        BiasFrag braw;
+        if constexpr (kBiasAhead) {
+#pragma unroll
+          for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) braw[nt][e] = ring[slot][nt][e];
+          if (tile + 2 < num_tiles) load_bias(ring[slot], t0 + 2 * TILE_N);
+        } else if constexpr (kBiasLoads) {
+          load_bias(braw, t0);
+        }
+
+        // ---- S = Q·Kᵀ: 16 rows x KEYS_W keys per warp.
+        float sacc[NT_S][4];
 #pragma unroll
         for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int hf = e / 2;
-            const int j = t0 + nt * 8 + 2 * qc + (e & 1);
-            braw[nt][e] = j < row_end[hf] ? seq_bias.load(row_h[hf], row_i[hf], row_p[hf], j) : 0u;
+          for (int e = 0; e < 4; ++e) sacc[nt][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+          unsigned a[4];
+          if constexpr (L::kQInRegs) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) a[e] = qa[kk][e];
+          } else {
+            ldmatrix_x4(a, &q_s[(row_warp * kRowsPerWarp + lane % 16) * ROW + 2 * kk + lane / 16]);
           }
-      }
+#pragma unroll
+          for (int np = 0; np < NT_S / 2; ++np) {
+            unsigned b[4];  // keys 16np + (0..7 | 8..15) x columns 16kk + (0..7 | 8..15)
+            ldmatrix_x4(b, k_s(st, key0 + np * 16 + (lane / 16) * 8 + lane % 8, 2 * kk + (lane / 8) % 2));
+            mma_16816<T>(sacc[2 * np], a, b[0], b[1]);
+            mma_16816<T>(sacc[2 * np + 1], a, b[2], b[3]);
+          }
+        }
 
-      // ---- S = Q·Kᵀ: 16 rows x TILE_N keys per warp.
-      float sacc[NT_S][4];
+        // ---- Logits in base 2: x = (scale·s + alibi·(j − p) + bias)·log2(e); −inf for keys a row may not see.
+        // One loop per term, each under a branch that is uniform over the warp: no term costs a branch per logit.
+        // The scale rides on the bias's add (one FFMA).
+        if constexpr (!Bias::enabled) {
 #pragma unroll
-      for (int nt = 0; nt < NT_S; ++nt)
+          for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sacc[nt][e] = 0.0f;
+            for (int e = 0; e < 4; ++e) sacc[nt][e] *= scale2;
+        } else if (const int far = far_kind(t0); far != 0) {
+          const float* far_row = far_s + (far - 1) * ROWS + row_warp * kRowsPerWarp + qr;
+          const float row_bias[2] = {far_row[0], far_row[8]};
 #pragma unroll
-      for (int kk = 0; kk < KSTEPS; ++kk) {
-        unsigned a[4];
-        if constexpr (L::kQInRegs) {
+          for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) a[e] = qa[kk][e];
+            for (int e = 0; e < 4; ++e) sacc[nt][e] = fmaf(sacc[nt][e], scale2, row_bias[e / 2]);
+        } else if (use_rel) {
+          const float* rel_row[2] = {rel_s + (tile & 1) * REL_TABLE + row_off[0],
+                                     rel_s + (tile & 1) * REL_TABLE + row_off[1]};
+#pragma unroll
+          for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              sacc[nt][e] = fmaf(sacc[nt][e], scale2, rel_row[e / 2][key0 + nt * 8 + 2 * qc + (e & 1)]);
         } else {
-          ldmatrix_x4(a, &q_s[(warp * kRowsPerWarp + lane % 16) * ROW + 2 * kk + lane / 16]);
-        }
 #pragma unroll
-        for (int np = 0; np < NT_S / 2; ++np) {
-          unsigned b[4];  // keys 16np + (0..7 | 8..15) x columns 16kk + (0..7 | 8..15)
-          ldmatrix_x4(b, k_s(st, np * 16 + (lane / 16) * 8 + lane % 8, 2 * kk + (lane / 8) % 2));
-          mma_16816<T>(sacc[2 * np], a, b[0], b[1]);
-          mma_16816<T>(sacc[2 * np + 1], a, b[2], b[3]);
+          for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int hf = e / 2;
+              const int j = t0 + key0 + nt * 8 + 2 * qc + (e & 1);
+              const typename Bias::Raw raw = kT5 ? seq_bias.load(row_h[hf], row_i[hf], row_p[hf], j) : braw[nt][e];
+              sacc[nt][e] = fmaf(sacc[nt][e], scale2, bias.value(raw) * kLog2e);
+            }
         }
-      }
+        if (has_alibi) {
+#pragma unroll
+          for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              sacc[nt][e] += slope2[e / 2] * static_cast<float>(t0 + key0 + nt * 8 + 2 * qc + (e & 1) - row_p[e / 2]);
+        }
+        if (need_mask) {
+#pragma unroll
+          for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int kl = key0 + nt * 8 + 2 * qc + (e & 1);
+              if (t0 + kl >= row_end[e / 2] || page_s[(tile % PAGE_BUFFERS) * TILE_N + kl] == -1) sacc[nt][e] = -inf();
+            }
+        }
 
-      // ---- Logits in base 2: x = (scale·s + alibi·(j − p) + bias)·log2(e); −inf for keys a row may not see.
-      // One loop per term, each under a branch that is uniform over the warp: no term costs a branch per logit.
-      // The scale rides on the bias's add (one FFMA).
-      if constexpr (!Bias::enabled) {
+        // ---- Online softmax per row: m_new = max(m, max_j x), α = 2^(m − m_new), p = 2^(x − m_new),
+        // l = α·l + Σ p.
+        // While a row has seen no key (m_new = −inf) its reference is 0: α = 0·(nothing) and p = 0, never NaN.
+        float alpha[2], m_use[2];
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          // The row max of this thread's logits as a balanced tree (a short dependency chain), then over the quad.
+          float tree[NT_S];
+#pragma unroll
+          for (int nt = 0; nt < NT_S; ++nt) tree[nt] = fmaxf(sacc[nt][2 * hf], sacc[nt][2 * hf + 1]);
+#pragma unroll
+          for (int w = NT_S / 2; w > 0; w /= 2)
+#pragma unroll
+            for (int i = 0; i < w; ++i) tree[i] = fmaxf(tree[i], tree[i + w]);
+          float mx = tree[0];
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 lanes of a quad share the row
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_new = fmaxf(m[hf], mx);
+          m_use[hf] = m_new == -inf() ? 0.0f : m_new;
+          alpha[hf] = fast_exp2(m[hf] - m_use[hf]);
+          m[hf] = m_new;
+        }
 #pragma unroll
         for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) sacc[nt][e] *= scale2;
-      } else if (const int far = far_kind(t0); far != 0) {
-        const float* far_row = far_s + (far - 1) * kRowsPerCta + warp * kRowsPerWarp + qr;
-        const float row_bias[2] = {far_row[0], far_row[8]};
+          for (int e = 0; e < 4; ++e) sacc[nt][e] = fast_exp2(sacc[nt][e] - m_use[e / 2]);
 #pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt)
+        for (int hf = 0; hf < 2; ++hf) {  // l = α·l + Σ p, the sum as a balanced tree
+          float tree[NT_S];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) sacc[nt][e] = fmaf(sacc[nt][e], scale2, row_bias[e / 2]);
-      } else if (use_rel) {
-        const float* rel_row[2] = {rel_s + (tile & 1) * kRelTableMax + row_off[0],
-                                   rel_s + (tile & 1) * kRelTableMax + row_off[1]};
+          for (int nt = 0; nt < NT_S; ++nt) tree[nt] = sacc[nt][2 * hf] + sacc[nt][2 * hf + 1];
 #pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt)
+          for (int w = NT_S / 2; w > 0; w /= 2)
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            sacc[nt][e] = fmaf(sacc[nt][e], scale2, rel_row[e / 2][nt * 8 + 2 * qc + (e & 1)]);
-      } else {
+            for (int i = 0; i < w; ++i) tree[i] += tree[i + w];
+          l[hf] = fmaf(l[hf], alpha[hf], tree[0]);
+        }
+        // Once the running max settles, most tiles leave it unchanged for every row of the warp (α = 1 exactly): one
+        // vote then replaces the NT_O·4 multiplications of the rescale.
+        if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt)
+          for (int n = 0; n < NT_O; ++n)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int hf = e / 2;
-            const typename Bias::Raw raw =
-                kT5 ? seq_bias.load(row_h[hf], row_i[hf], row_p[hf], t0 + nt * 8 + 2 * qc + (e & 1)) : braw[nt][e];
-            sacc[nt][e] = fmaf(sacc[nt][e], scale2, bias.value(raw) * kLog2e);
+            for (int e = 0; e < 4; ++e) acc[n][e] *= alpha[e / 2];
+        }
+
+        // ---- O += P·V: the S accumulators of n tiles 2kk, 2kk + 1 are the A fragment of keys 16kk ... 16kk + 15
+        // (of the warp's keys).
+#pragma unroll
+        for (int kk = 0; kk < L::KEYS_W / 16; ++kk) {
+          unsigned a[4];
+          a[0] = pack2<T>(sacc[2 * kk][0], sacc[2 * kk][1]);
+          a[1] = pack2<T>(sacc[2 * kk][2], sacc[2 * kk][3]);
+          a[2] = pack2<T>(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]);
+          a[3] = pack2<T>(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]);
+#pragma unroll
+          for (int np = 0; np < NT_O / 2; ++np) {
+            unsigned b[4];  // keys 16kk + (0..7 | 8..15) x columns 16np + (0..7 | 8..15), transposed
+            ldmatrix_x4_trans(b, v_s(st, key0 + kk * 16 + ((lane / 8) % 2) * 8 + lane % 8, 2 * np + lane / 16));
+            mma_16816<T>(acc[2 * np], a, b[0], b[1]);
+            mma_16816<T>(acc[2 * np + 1], a, b[2], b[3]);
           }
-      }
-      if (has_alibi) {
-#pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            sacc[nt][e] += slope2[e / 2] * static_cast<float>(t0 + nt * 8 + 2 * qc + (e & 1) - row_p[e / 2]);
-      }
-      if (need_mask) {
-#pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int kl = nt * 8 + 2 * qc + (e & 1);
-            if (t0 + kl >= row_end[e / 2] || page_s[(tile % kPageBuffers) * TILE_N + kl] == -1) sacc[nt][e] = -inf();
-          }
-      }
-
-      // ---- Online softmax per row: m_new = max(m, max_j x), α = 2^(m − m_new), p = 2^(x − m_new), l = α·l + Σ p.
-      // While a row has seen no key (m_new = −inf) its reference is 0: α = 0·(nothing) and p = 0, never NaN.
-      float alpha[2], m_use[2];
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        // The row max of this thread's logits as a balanced tree (a short dependency chain), then over the quad.
-        float tree[NT_S];
-#pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt) tree[nt] = fmaxf(sacc[nt][2 * hf], sacc[nt][2 * hf + 1]);
-#pragma unroll
-        for (int w = NT_S / 2; w > 0; w /= 2)
-#pragma unroll
-          for (int i = 0; i < w; ++i) tree[i] = fmaxf(tree[i], tree[i + w]);
-        float mx = tree[0];
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 lanes of a quad share the row
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m[hf], mx);
-        m_use[hf] = m_new == -inf() ? 0.0f : m_new;
-        alpha[hf] = fast_exp2(m[hf] - m_use[hf]);
-        m[hf] = m_new;
-      }
-#pragma unroll
-      for (int nt = 0; nt < NT_S; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sacc[nt][e] = fast_exp2(sacc[nt][e] - m_use[e / 2]);
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {  // l = α·l + Σ p, the sum as a balanced tree
-        float tree[NT_S];
-#pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt) tree[nt] = sacc[nt][2 * hf] + sacc[nt][2 * hf + 1];
-#pragma unroll
-        for (int w = NT_S / 2; w > 0; w /= 2)
-#pragma unroll
-          for (int i = 0; i < w; ++i) tree[i] += tree[i + w];
-        l[hf] = fmaf(l[hf], alpha[hf], tree[0]);
-      }
-      // Once the running max settles, most tiles leave it unchanged for every row of the warp (α = 1 exactly): one
-      // vote then replaces the NT_O·4 multiplications of the rescale.
-      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-#pragma unroll
-        for (int n = 0; n < NT_O; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[n][e] *= alpha[e / 2];
-      }
-
-      // ---- O += P·V: the S accumulators of n tiles 2kk, 2kk + 1 are the A fragment of keys 16kk ... 16kk + 15.
-#pragma unroll
-      for (int kk = 0; kk < TILE_N / 16; ++kk) {
-        unsigned a[4];
-        a[0] = pack2<T>(sacc[2 * kk][0], sacc[2 * kk][1]);
-        a[1] = pack2<T>(sacc[2 * kk][2], sacc[2 * kk][3]);
-        a[2] = pack2<T>(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]);
-        a[3] = pack2<T>(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]);
-#pragma unroll
-        for (int np = 0; np < NT_O / 2; ++np) {
-          unsigned b[4];  // keys 16kk + (0..7 | 8..15) x columns 16np + (0..7 | 8..15), transposed
-          ldmatrix_x4_trans(b, v_s(st, kk * 16 + ((lane / 8) % 2) * 8 + lane % 8, 2 * np + lane / 16));
-          mma_16816<T>(acc[2 * np], a, b[0], b[1]);
-          mma_16816<T>(acc[2 * np + 1], a, b[2], b[3]);
         }
       }
+      // Tile + STAGES's page offsets (its block ids were loaded at the top of this tile); no one reads that buffer now.
+      if (tile + STAGES < num_tiles) store_page(tile + STAGES, t0 + STAGES * TILE_N);
+      // The next tile's T5 table, into the other buffer (last read during the previous tile, before this barrier).
+      if (use_rel && tile + 1 < num_tiles && far_kind(t0 + TILE_N) == 0) fill_rel((tile + 1) & 1, t0 + TILE_N);
     }
-    // Tile + 2's page offsets (its block ids were loaded at the top of this tile); no one reads that buffer now.
-    if (tile + 2 < num_tiles) store_page(tile + 2, t0 + 2 * TILE_N);
-    // The next tile's T5 table, into the other buffer (last read during the previous tile, before this barrier).
-    if (use_rel && tile + 1 < num_tiles && far_kind(t0 + TILE_N) == 0) fill_rel((tile + 1) & 1, t0 + TILE_N);
   }
-  cp_async_wait<0>();  // no copy may still be writing shared memory when the CTA exits
+  cp_async_wait<0>();  // no copy may still be writing shared memory when the CTA exits (or combines in it)
 
   // ---- Epilogue: l over the quad; out = acc / l, or (acc, m, l) for the split-K reduction.
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     l[hf] += __shfl_xor_sync(0xffffffffu, l[hf], 1);
     l[hf] += __shfl_xor_sync(0xffffffffu, l[hf], 2);
-    if (!row_written[hf]) continue;
-    const int R = m0 + warp * kRowsPerWarp + qr + 8 * hf;
-    const long long q_row = q0 + R / G;
-    const int h = row_h[hf];
-    if (num_parts == 1) {
-      const float inv = l[hf] > 0.0f ? 1.0f / l[hf] : 0.0f;
-      T* o = out + q_row * out_stride_t + h * out_stride_h;
+  }
+  if constexpr (L::kDecode) {
+    // The warps hold (m, l, acc) of the same rows over disjoint keys: combine them through the idle K/V stages as
+    // split-K partitions are combined:  M = max_w m_w,  c_w = 2^(m_w − M),  L = Σ_w c_w·l_w,  o = Σ_w c_w·acc_w.
+    float* acc_s = reinterpret_cast<float*>(kv_s);        // [KEY_WARPS][ROWS][HEAD_P]
+    float* ml_s = acc_s + KEY_WARPS * ROWS * L::HEAD_P;   // [KEY_WARPS][ROWS][2]
+    const int kw = warp % KEY_WARPS;
+    __syncthreads();  // every warp is done with the stages
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int r = row_warp * kRowsPerWarp + qr + 8 * hf;
 #pragma unroll
       for (int n = 0; n < NT_O; ++n) {
-        const int d = n * 8 + 2 * qc;
-        if (d < HEAD) {
-          o[d] = from_float<T>(acc[n][2 * hf] * inv);
-          o[d + 1] = from_float<T>(acc[n][2 * hf + 1] * inv);
-        }
-      }
-    } else {
-      const long long at = (static_cast<long long>(part) * total_q + q_row) * (num_kv_heads * G) + h;
-#pragma unroll
-      for (int n = 0; n < NT_O; ++n) {
-        const int d = n * 8 + 2 * qc;
-        if (d < HEAD) {
-          part_acc[at * HEAD + d] = acc[n][2 * hf];
-          part_acc[at * HEAD + d + 1] = acc[n][2 * hf + 1];
-        }
+        acc_s[(kw * ROWS + r) * L::HEAD_P + n * 8 + 2 * qc] = acc[n][2 * hf];
+        acc_s[(kw * ROWS + r) * L::HEAD_P + n * 8 + 2 * qc + 1] = acc[n][2 * hf + 1];
       }
       if (qc == 0) {
-        part_ml[at * 2] = m[hf];
-        part_ml[at * 2 + 1] = l[hf];
+        ml_s[(kw * ROWS + r) * 2] = m[hf];
+        ml_s[(kw * ROWS + r) * 2 + 1] = l[hf];
+      }
+    }
+    __syncthreads();  // every warp's share is in shared memory
+    const int rows = min(rows_total - m0, ROWS);
+    for (int idx = tid; idx < rows * HEAD; idx += kPrefillThreads) {
+      const int r = idx / HEAD;
+      const int d = idx % HEAD;
+      float big_m = -inf();
+#pragma unroll
+      for (int w = 0; w < KEY_WARPS; ++w) big_m = fmaxf(big_m, ml_s[(w * ROWS + r) * 2]);
+      float big_l = 0.0f, o = 0.0f;
+      if (big_m != -inf()) {
+#pragma unroll
+        for (int w = 0; w < KEY_WARPS; ++w) {
+          const float c = fast_exp2(ml_s[(w * ROWS + r) * 2] - big_m);  // 0 for a warp that saw no key
+          big_l += c * ml_s[(w * ROWS + r) * 2 + 1];
+          o += c * acc_s[(w * ROWS + r) * L::HEAD_P + d];
+        }
+      }
+      const int R = m0 + r;
+      const long long q_row = q0 + R / G;
+      const int h = kvh * G + R % G;
+      if (num_parts == 1) {
+        out[q_row * out_stride_t + h * out_stride_h + d] = from_float<T>(big_l > 0.0f ? o / big_l : 0.0f);
+      } else {
+        const long long at = (static_cast<long long>(part) * total_q + q_row) * (num_kv_heads * G) + h;
+        part_acc[at * HEAD + d] = o;
+        if (d == 0) {
+          part_ml[at * 2] = big_m;
+          part_ml[at * 2 + 1] = big_l;
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      if (!row_written[hf]) continue;
+      const int R = m0 + row_warp * kRowsPerWarp + qr + 8 * hf;
+      const long long q_row = q0 + R / G;
+      const int h = row_h[hf];
+      if (num_parts == 1) {
+        const float inv = l[hf] > 0.0f ? 1.0f / l[hf] : 0.0f;
+        T* o = out + q_row * out_stride_t + h * out_stride_h;
+#pragma unroll
+        for (int n = 0; n < NT_O; ++n) {
+          const int d = n * 8 + 2 * qc;
+          if (d < HEAD) {
+            o[d] = from_float<T>(acc[n][2 * hf] * inv);
+            o[d + 1] = from_float<T>(acc[n][2 * hf + 1] * inv);
+          }
+        }
+      } else {
+        const long long at = (static_cast<long long>(part) * total_q + q_row) * (num_kv_heads * G) + h;
+#pragma unroll
+        for (int n = 0; n < NT_O; ++n) {
+          const int d = n * 8 + 2 * qc;
+          if (d < HEAD) {
+            part_acc[at * HEAD + d] = acc[n][2 * hf];
+            part_acc[at * HEAD + d + 1] = acc[n][2 * hf + 1];
+          }
+        }
+        if (qc == 0) {
+          part_ml[at * 2] = m[hf];
+          part_ml[at * 2 + 1] = l[hf];
+        }
       }
     }
   }
@@ -626,11 +768,11 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_simt(
   constexpr int DPL = (HEAD + kWarpSize - 1) / kWarpSize;  // head_size elements per lane
   constexpr int VEC = Cache::VEC;
 
-  const int2 info = tile_info[blockIdx.x];
-  const int s = info.x;
+  const CtaRows cta = cta_rows(tile_info, query_start_loc, total_q, group_size, num_kv_heads, kRowsPerCta);
+  const int s = cta.s;
   if (s < 0) return;
-  const int m0 = info.y * kRowsPerCta;
-  const int kvh = blockIdx.y;
+  const int m0 = cta.tile * kRowsPerCta;
+  const int kvh = cta.kvh;
   const int part = blockIdx.z;
   const int G = group_size;
   const int warp = threadIdx.x / kWarpSize;
@@ -639,8 +781,7 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_simt(
   const Bias bias = Bias::make(BiasArgs{bias_ptr, bias_index, {bias_stride_0, bias_stride_1, bias_stride_2,
                                         bias_stride_3}, bias_dtype, bias_n, bias_m});
   const typename Bias::Seq seq_bias = bias.seq(s);
-  const int2 qrows = query_rows(query_start_loc, s, total_q);
-  const int q0 = qrows.x, q_len = qrows.y;
+  const int q0 = cta.q0, q_len = cta.q_len;
   const int len = seq_bias.limit(clamped_len(seq_lens, s, max_len));
   const int pos0 = len - q_len;
   const int kstart = part * tokens_per_part;
@@ -733,37 +874,43 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_simt(
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Split-K reduction, one CTA per (M tile, KV head), the same rows as the attention CTAs:
+// Split-K reduction, per (M tile, KV head) as the attention CTAs (same blockIdx.x, y), each output element by one
+// thread: blockIdx.z takes elements z·threads ... of the tile's rows x HEAD (the grid's z covers them all):
 //   M = max_p m_p,  w_p = 2^(m_p − M),  out = Σ_p w_p·acc_p / Σ_p w_p·l_p   (zeros when no key contributes).
+// The loops over partitions are unrolled so that their loads are in flight together: with few CTAs (a long
+// sequence split into many partitions) this kernel is a chain of memory latencies, not bandwidth.
 // ---------------------------------------------------------------------------------------------------------------
-template <typename T, int HEAD>
+template <typename T, int HEAD, int KEY_WARPS>
 __global__ void __launch_bounds__(kPrefillReduceThreads) paged_prefill_reduce(
     T* __restrict__ out, long long out_stride_t, long long out_stride_h,
     const float* __restrict__ part_acc, const float* __restrict__ part_ml,
     const int* __restrict__ query_start_loc, int total_q, const int2* __restrict__ tile_info,
     int num_kv_heads, int group_size, int num_parts) {
-  const int2 info = tile_info[blockIdx.x];
-  if (info.x < 0) return;
-  const int2 qrows = query_rows(query_start_loc, info.x, total_q);
+  constexpr int ROWS = rows_per_cta(KEY_WARPS);
+  const CtaRows cta = cta_rows(tile_info, query_start_loc, total_q, group_size, num_kv_heads, ROWS);
+  if (cta.s < 0) return;
   const int G = group_size;
-  const int m0 = info.y * kRowsPerCta;
-  const int rows = min(qrows.y * G - m0, kRowsPerCta);
+  const int m0 = cta.tile * ROWS;
+  const int rows = min(cta.q_len * G - m0, ROWS);
   const int num_heads = num_kv_heads * G;
   const long long part_stride = static_cast<long long>(total_q) * num_heads;
-  for (int idx = threadIdx.x; idx < rows * HEAD; idx += kPrefillReduceThreads) {
+  for (int idx = blockIdx.z * kPrefillReduceThreads + threadIdx.x; idx < rows * HEAD;
+       idx += gridDim.z * kPrefillReduceThreads) {
     const int R = m0 + idx / HEAD;
     const int d = idx % HEAD;
-    const long long q_row = qrows.x + R / G;
-    const int h = blockIdx.y * G + R % G;
+    const long long q_row = cta.q0 + R / G;
+    const int h = cta.kvh * G + R % G;
     const long long at = q_row * num_heads + h;
     float big_m = -inf();
+#pragma unroll 8
     for (int p = 0; p < num_parts; ++p) big_m = fmaxf(big_m, part_ml[(p * part_stride + at) * 2]);
     float big_l = 0.0f, o = 0.0f;
     if (big_m != -inf()) {
+#pragma unroll 8
       for (int p = 0; p < num_parts; ++p) {
         const float mp = part_ml[(p * part_stride + at) * 2];
-        if (mp == -inf()) continue;  // that partition saw no key of this row: its acc was never needed
-        const float w = exp2f(mp - big_m);
+        // A partition that saw no key of this row (m = −inf) has l = 0 and acc = 0: weight 0.
+        const float w = mp == -inf() ? 0.0f : exp2f(mp - big_m);
         big_l += w * part_ml[(p * part_stride + at) * 2 + 1];
         o += w * part_acc[(p * part_stride + at) * HEAD + d];
       }

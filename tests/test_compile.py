@@ -66,24 +66,69 @@ def test_split_planning(rng, seq_lens, heads, expect_split):
     assert (plan.num_parts > 1) == expect_split
     assert plan.tokens_per_part % 128 == 0 and plan.num_parts * plan.tokens_per_part >= problem.max_len
     assert (plan.num_parts - 1) * plan.tokens_per_part < max(problem.max_len, 1), "no partition is empty"
-    assert plan.grid == (len(seq_lens), heads[1] * -(-(heads[0] // heads[1]) // plan.spec.heads_per_cta),
+    assert plan.grid == (len(seq_lens) * heads[1] * -(-(heads[0] // heads[1]) // plan.spec.heads_per_cta), 1,
                          plan.num_parts)
+    assert plan.reduce_grid(len(seq_lens), heads[0]) == ((len(seq_lens), heads[0], 1), 128)
     assert np.all(np.asarray(plan.grid) >= 1)
 
 
 @pytest.mark.parametrize(("dtype", "arch"), list(itertools.product(_compile.CUDA_TYPES, ARCHS)))
 def test_every_prefill_specialisation_compiles(dtype, arch):
     specs = [s for s in _compile.all_prefill_specs() if s.dtype == dtype]
-    assert len(specs) == len(_compile.HEAD_SIZES) * len(_compile.KV_LAYOUTS) * len(_compile.PREFILL_BIAS_MODES)
+    prefill = len(_compile.HEAD_SIZES) * len(_compile.KV_LAYOUTS) * len(_compile.PREFILL_BIAS_MODES)
+    decode_tc = len(_compile.DECODE_MMA_HEAD_SIZES) * len(_compile.KV_LAYOUTS) * len(_compile.BIAS_MODES)
+    assert len(specs) == prefill + (decode_tc if dtype != "f32" else 0)
     _compile_all("paged_prefill.cu", specs, arch)
 
 
 def test_prefill_keys_and_shared_memory():
     spec = _compile.PrefillSpec("bf16", 128, "nhd", "t5")
     assert spec.key == "paged_prefill_bf16_d128_nhd_bias-t5"
-    assert spec.name_expressions()[0] == "cpa::paged_prefill<__nv_bfloat16, 128, cpa::KvLayout::kNHD, cpa::T5Bias>"
+    assert spec.name_expressions()[0] == \
+        "cpa::paged_prefill<__nv_bfloat16, 128, cpa::KvLayout::kNHD, cpa::T5Bias, 1>"
     assert _compile.PrefillSpec("f32", 64, "vllm", "none").name_expressions()[0].startswith("cpa::paged_prefill_simt<")
-    # Two CTAs of the largest specialisation fit one H100/H200 SM (227 KB per CTA, 228 KB per SM).
+    decode_spec = _compile.PrefillSpec("f16", 64, "vllm", "ragged", _compile.DECODE_KEY_WARPS)
+    assert decode_spec.key == "paged_prefill_f16_d64_vllm_bias-ragged_decode"
+    assert decode_spec.name_expressions()[:2] == (
+        "cpa::paged_prefill<__half, 64, cpa::KvLayout::kVLLM, cpa::RaggedBias, 4>",
+        "cpa::paged_prefill_reduce<__half, 64, 4>")
+    # Two CTAs of the largest specialisation fit one H100/H200 SM (227 KB per CTA, 228 KB per SM), in either tiling.
     assert max(_compile.prefill_smem_bytes(dt, d) for dt in ("f16", "bf16") for d in _compile.HEAD_SIZES) <= 113 * 1024
+    assert max(_compile.prefill_smem_bytes("bf16", d, _compile.DECODE_KEY_WARPS)
+               for d in _compile.DECODE_MMA_HEAD_SIZES) <= 113 * 1024
     assert _compile.prefill_smem_bytes("f32", 128) == 0
     assert '#include "mma.cuh"' not in _compile.kernel_source("paged_prefill.cu")
+
+
+@pytest.mark.parametrize(("dtype", "head_size", "heads", "tensor_cores"), [
+    ("bf16", 128, (32, 8), True), ("f16", 64, (40, 2), True), ("bf16", 128, (16, 16), False),
+    ("f32", 128, (32, 8), False), ("bf16", 192, (32, 8), False),
+])
+def test_tensor_core_decode_planning(rng, dtype, head_size, heads, tensor_cores):
+    """Grouped-query 16-bit decode up to head size 128 runs the tensor-core kernel: one CTA per (sequence, 16
+    query heads of a group, KV head) in x and per partition in z, partitions a multiple of its 64-key tile."""
+    p = make_problem(rng, [1, 5000], num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size, dtype=dtype,
+                     extra_table_cols=0, spare_blocks=0)
+    problem = _checks.check_decode(*p.args(), scale=None, attn_bias=None, alibi_slopes=None, kv_layout="nhd",
+                                   out=None)
+    plan = decode.plan_decode(problem, num_sms=132)
+    assert plan.tensor_cores == tensor_cores
+    if tensor_cores:
+        tiles = -(-(heads[0] // heads[1]) // 16)
+        assert plan.grid == (2 * tiles * heads[1], 1, plan.num_parts)
+        assert plan.spec.key_warps == _compile.DECODE_KEY_WARPS and plan.tokens_per_part % 64 == 0
+        assert plan.threads == _compile.PREFILL_THREADS
+        assert plan.reduce_grid(2, heads[0]) == ((2 * tiles * heads[1], 1, head_size // 8),
+                                              _compile.PREFILL_REDUCE_THREADS)
+    assert plan.num_parts * plan.tokens_per_part >= problem.max_len
+
+
+@pytest.mark.parametrize("ctas", [1, 8, 32, 100, 263, 264, 1000])
+@pytest.mark.parametrize("max_len", [1, 300, 8192, 65536])
+def test_one_wave_split(ctas, max_len):
+    """With ``resident``, a split never makes a second wave, never an empty partition, and partitions are whole
+    tiles, at most one per _MIN_PART_TOKENS keys (rounded up)."""
+    tokens, parts = decode.split_keys(ctas, max_len, 132, 64, resident=2)
+    assert ctas * parts <= max(ctas, 2 * 132)
+    assert tokens % 64 == 0 and parts * tokens >= max_len and (parts - 1) * tokens < max(max_len, 1)
+    assert parts <= max(1, -(-max_len // decode._MIN_PART_TOKENS))

@@ -99,6 +99,33 @@ def test_decode_grid(rng, split, dtype, head_size, block_size, i):
     assert_close(run_cupy(p), paged_attention_ref(*p.args(), **p.kwargs()), dtype, what)
 
 
+KERNEL_GRID = [  # (dtype, head_size, block_size, (num_heads, num_kv_heads), layout, bias kind)
+    ("bf16", 128, 16, (32, 8), "nhd", "dense"), ("f16", 128, 8, (8, 2), "vllm", "ragged"),
+    ("bf16", 64, 32, (16, 16), "nhd", "t5-bidir"), ("f16", 32, 16, (6, 2), "nhd", "broadcast-head"),
+    ("bf16", 80, 16, (8, 1), "vllm", "t5-causal"), ("f16", 96, 32, (40, 2), "nhd", "dense"),
+    ("bf16", 112, 8, (12, 4), "nhd", "none"), ("f16", 120, 16, (16, 4), "vllm", "strided"),
+]
+
+
+@pytest.mark.parametrize("kernel", ["tensor-cores", "fp32-loop"])
+@pytest.mark.parametrize(("dtype", "head_size", "block_size", "heads", "layout", "bias"), KERNEL_GRID,
+                         ids=[f"{d}-d{h}-b{b}-{q}of{k}-{lay}-{bias}" for d, h, b, (q, k), lay, bias in KERNEL_GRID])
+def test_both_decode_kernels(rng, split, monkeypatch, kernel, dtype, head_size, block_size, heads, layout, bias):
+    """16-bit decode with head sizes up to 128 has two kernels: the tensor-core one (grouped queries) and the FP32
+    loop (paged_decode.cu). Each, forced, on every group shape: MHA, GQA, MQA, more than 16 heads per KV head."""
+    monkeypatch.setattr(decode, "TENSOR_CORE_MIN_GROUP", 1 if kernel == "tensor-cores" else 10**9)
+    alibi = head_size in (64, 112)
+    p = make_problem(rng, SEQ_LENS, num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size,
+                     block_size=block_size, dtype=dtype, kv_layout=layout, bias=bias, bias_dtype=dtype, alibi=alibi,
+                     extra_table_cols=0)
+    out = run_cupy(p)
+    used = {plan.launch.tensor_cores for plan in decode._PLANS.plans.values()}
+    assert (kernel == "tensor-cores") in used
+    what = f"{kernel} {split}"
+    assert_close(out, paged_attention_ref(*p.args(), **p.kwargs()), dtype, what)
+    assert_close(out, dense_attention(p), dtype, what + " (independent dense attention)")
+
+
 KIND_GRID = [  # (dtype, head_size, (num_heads, num_kv_heads), layout, bias dtype)
     ("bf16", 128, (8, 2), "nhd", "bf16"), ("f16", 64, (4, 4), "vllm", "f32"), ("f32", 96, (6, 2), "nhd", "f16"),
     ("bf16", 256, (8, 1), "vllm", "f32"), ("f16", 80, (16, 2), "nhd", "f16"),
@@ -416,10 +443,11 @@ def test_second_gpu(rng):
 # ---------------------------------------------------------------------------------------------------------------
 # Hostile device data: never a fault, whatever the indices say
 # ---------------------------------------------------------------------------------------------------------------
-def test_hostile_block_ids_and_lengths_stay_in_bounds(rng, split):
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])  # the FP32 loop; the tensor-core kernel (grouped queries)
+def test_hostile_block_ids_and_lengths_stay_in_bounds(rng, split, dtype):
     import cupy
 
-    p = make_problem(rng, [40, 30, 20, 10], num_heads=4, num_kv_heads=2, bias="dense")
+    p = make_problem(rng, [40, 30, 20, 10], num_heads=4, num_kv_heads=2, bias="dense", dtype=dtype)
     tables = p.block_tables.copy()
     tables[0, 1] = -7  # used entries outside [0, num_blocks)
     tables[1, 0] = 2**31 - 1
@@ -430,7 +458,7 @@ def test_hostile_block_ids_and_lengths_stay_in_bounds(rng, split):
     cupy.cuda.get_current_stream().synchronize()  # an illegal access would raise here
     out = to_numpy(out)
     assert (out[1] == 0).all(), "a negative length reads nothing"
-    assert_close(out[3], paged_attention_ref(*p.args(), **p.kwargs())[3], "f32")
+    assert_close(out[3], paged_attention_ref(*p.args(), **p.kwargs())[3], dtype)
     assert not np.isnan(out[[0, 3]]).any()
 
     # validate=True finds each of them, naming the first offending sequence.
@@ -441,13 +469,14 @@ def test_hostile_block_ids_and_lengths_stay_in_bounds(rng, split):
         cpa.paged_attention(*args, **kwargs, validate=True)
     args[4] = to_cupy(p.seq_lens)
     assert_close(to_numpy(cpa.paged_attention(*args, **kwargs, validate=True)),
-                 paged_attention_ref(*p.args(), **p.kwargs()), "f32")
+                 paged_attention_ref(*p.args(), **p.kwargs()), dtype)
 
 
-def test_hostile_ragged_offsets_stay_in_bounds(rng, split):
+@pytest.mark.parametrize("dtype", ["f32", "f16"])  # the FP32 loop; the tensor-core kernel (grouped queries)
+def test_hostile_ragged_offsets_stay_in_bounds(rng, split, dtype):
     import cupy
 
-    p = make_problem(rng, [40, 30, 20, 10], num_heads=4, num_kv_heads=2, bias="ragged")
+    p = make_problem(rng, [40, 30, 20, 10], num_heads=4, num_kv_heads=2, bias="ragged", dtype=dtype)
     args, kwargs = device_args(p, to_cupy)
     values, offsets = p.bias_kind.values, p.bias_kind.offsets.copy()
     total = values.shape[0]
@@ -461,4 +490,4 @@ def test_hostile_ragged_offsets_stay_in_bounds(rng, split):
             cpa.paged_attention(*args, **kwargs, validate=True)
     kwargs["attn_bias"] = cpa.RaggedBias(to_cupy(values), cupy.asarray(offsets))
     assert_close(to_numpy(cpa.paged_attention(*args, **kwargs, validate=True)),
-                 paged_attention_ref(*p.args(), **p.kwargs()), "f32")
+                 paged_attention_ref(*p.args(), **p.kwargs()), dtype)

@@ -36,6 +36,8 @@ CASES = [  # (name, make_problem keywords, force split-K)
     ("t5-bidir-f16-d64", dict(seq_lens=[200, 1], num_heads=4, num_kv_heads=4, dtype="f16", bias="t5-bidir",
                               bias_dtype="f32", alibi=True), False),
     ("t5-causal-f32-split", dict(seq_lens=[260], num_heads=4, num_kv_heads=1, bias="t5-causal"), True),
+    ("gqa20-bf16-d96-t5-split", dict(seq_lens=[333, 64, 1], num_heads=40, num_kv_heads=2, head_size=96,
+                                     dtype="bf16", bias="t5-bidir", bias_dtype="bf16"), True),
 ]
 
 
@@ -73,16 +75,16 @@ def run_prefill(name: str, kwargs: dict, split: bool, rng: np.random.Generator) 
 
 
 def hostile(rng: np.random.Generator) -> None:
-    for split in (False, True):
+    for split, dtype in ((False, "f32"), (True, "f32"), (False, "bf16"), (True, "f16")):  # bf16/f16: tensor cores
         decode._num_sms = (lambda device: 10**6) if split else (lambda device: 1)
-        p = make_problem(rng, [40, 30, 20, 10], num_heads=4, num_kv_heads=2, bias="dense")
+        p = make_problem(rng, [40, 30, 20, 10], num_heads=4, num_kv_heads=2, bias="dense", dtype=dtype)
         tables = p.block_tables.copy()
         tables[0, 1], tables[1, 0], tables[2, 1] = -7, 2**31 - 1, p.key_cache.shape[0]
         args, kw = device_args(p, to_cupy)
         args[3] = cupy.asarray(tables)
         args[4] = cupy.asarray(np.array([40, -5, 10**9, 2**31 - 1], np.int32))
         cpa.paged_attention(*args, **kw)
-        r = make_problem(rng, [40, 30, 20, 10], num_heads=4, num_kv_heads=2, bias="ragged")
+        r = make_problem(rng, [40, 30, 20, 10], num_heads=4, num_kv_heads=2, bias="ragged", dtype=dtype)
         args, kw = device_args(r, to_cupy)
         total = r.bias_kind.values.shape[0]
         for offsets in ([-50, 46, 2**31 - 1, total - 5, total], [3, 10, 80, 103, 2**31 - 1]):
