@@ -19,16 +19,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--heads", default="16/16",
+                        help="query/KV heads (default 16/16, the latency case; e.g. 32/8 takes the tensor-core kernel)")
     args = parser.parse_args()
 
     import torch
 
     import cupy_paged_attn as cpa
 
-    batch, heads, head_size, length, block = 1, 16, 64, 1024, 16
+    batch, head_size, length, block = 1, 64, 1024, 16
+    heads, kv_heads = map(int, args.heads.split("/"))
     pages = batch * length // block
     q = torch.randn(batch, heads, head_size, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(pages, block, heads, head_size, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(pages, block, kv_heads, head_size, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     tables = torch.randperm(pages, device="cuda", dtype=torch.int32).view(batch, -1)
     lens = torch.full((batch,), length, device="cuda", dtype=torch.int32)
@@ -48,6 +51,8 @@ def main() -> None:
         "plan.run, dense bias, out=": (plan.run, {"attn_bias": bias, "out": out}),
         "plan.run, T5 bias, out=": (plan_t5.run, {"attn_bias": t5, "out": out}),
     }
+    print(f"B{batch} H{heads}/{kv_heads} d{head_size} L{length}, bf16: "
+          f"{'tensor cores' if plan.launch.tensor_cores else 'FP32 kernel'}, {plan.launch.num_parts} partitions")
     for label, (call, kwargs) in variants.items():
         for _ in range(50):
             call(q, k, v, tables, lens, **kwargs)
