@@ -420,22 +420,37 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
   // memory, loads them two tiles ahead into a ring of two register arrays (the tile loop is unrolled by two, so each
   // slot is a compile-time array: no register waits on a load before its tile uses it). (T5 reads in place, below:
   // its loads hit L1.)
-  // A key past a row's end reads the row's last key instead (its logit is masked), so that the loads need no
-  // branch; rows without keys read nothing.
-  constexpr bool kBiasLoads = Bias::enabled && !kT5;
+  // The thread's keys of a tile are j0 + {0, 1, 8, 9, ...}: decode takes one address per row and tile, then fixed
+  // byte offsets (prefill, with 4x the keys per thread, would hold the offsets in registers it has not got). A key
+  // past a row's end reads the row's last key instead (its logit is masked); rows without keys read nothing.
+  constexpr bool kBiasLoads = Bias::enabled && !kT5;  // (dense and ragged: strided rows)
   constexpr bool kBiasAhead = kBiasLoads && L::kDecode;
   using BiasFrag = typename Bias::Raw[NT_S][4];
   const typename Bias::Seq::Row bias_rows[2] = {seq_bias.row(row_h[0], row_i[0], row_p[0]),
                                                 seq_bias.row(row_h[1], row_i[1], row_p[1])};
   auto load_bias = [&](BiasFrag& raw, int t0) {
+    if constexpr (kBiasLoads) {
+      const int j0 = t0 + key0 + 2 * qc;
 #pragma unroll
-    for (int nt = 0; nt < NT_S; ++nt)
+      for (int hf = 0; hf < 2; ++hf) {
+        const bool whole = L::kDecode && j0 + (NT_S - 1) * 8 + 1 < row_end[hf];  // every key of it is in the row
+        const char* p = bias_rows[hf].at(j0);
+        const long long step = bias_rows[hf].step_bytes();
+        if (row_end[hf] > kstart) {  // one branch per row, not per key
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int hf = e / 2;
-        const int j = min(t0 + key0 + nt * 8 + 2 * qc + (e & 1), row_end[hf] - 1);
-        raw[nt][e] = row_end[hf] > kstart ? bias_rows[hf].load(j) : 0u;
+          for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const char* at = whole ? p + (nt * 8 + c) * step
+                                     : bias_rows[hf].at(min(j0 + nt * 8 + c, row_end[hf] - 1));
+              raw[nt][2 * hf + c] = bias_rows[hf].load_at(at);
+            }
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < NT_S; ++nt) raw[nt][2 * hf] = raw[nt][2 * hf + 1] = 0u;
+        }
       }
+    }
   };
   constexpr int RING = kBiasAhead ? 2 : 1;
   BiasFrag ring[RING];
