@@ -170,10 +170,11 @@ def get_cache_write_kernel(spec: CacheWriteSpec, device_id: int) -> Any:
     return _module("cache_write.cu", spec.key, names, device_id).get_function(names[0])
 
 
-def compile_offline(filename: str, names: list[str], arch: str) -> tuple[bytes, dict[str, str]]:
+def compile_offline(filename: str, names: list[str], arch: str, extra: str = "") -> tuple[bytes, dict[str, str]]:
     """Compile ``names`` of one kernel family for ``arch`` (e.g. ``"sm_90"``) with no GPU present.
 
-    Returns the cubin and each name expression's lowered (mangled) symbol.
+    Returns the cubin and each name expression's lowered (mangled) symbol. ``extra`` is appended to the source
+    (tests add ``static_assert``s comparing the kernels' constants with their host-side mirrors).
 
     Uses CuPy's private NVRTC bindings (``RawModule.compile`` needs a device); kept in this one function so a
     CuPy upgrade that moves them breaks one place. Raises RuntimeError with the NVRTC log on failure.
@@ -182,7 +183,7 @@ def compile_offline(filename: str, names: list[str], arch: str) -> tuple[bytes, 
     from cupy_backends.cuda.libs import nvrtc
 
     options = assemble_cupy_compiler_options((*_COMPILE_OPTIONS, f"-arch={arch}"))
-    program = nvrtc.createProgram(kernel_source(filename), filename, [], [])
+    program = nvrtc.createProgram(kernel_source(filename) + extra, filename, [], [])
     try:
         for name in names:
             nvrtc.addNameExpression(program, name)

@@ -132,3 +132,45 @@ def test_one_wave_split(ctas, max_len):
     assert ctas * parts <= max(ctas, 2 * 132)
     assert tokens % 64 == 0 and parts * tokens >= max_len and (parts - 1) * tokens < max(max_len, 1)
     assert parts <= max(1, -(-max_len // decode._MIN_PART_TOKENS))
+
+
+def test_host_mirrors_of_kernel_constants():
+    """What the host computes about a kernel (shared memory to reserve, threads, CTAs per SM, key tile, rows per CTA)
+    equals the kernel's own constants, for every specialisation: static_asserts compiled by NVRTC. A mismatch in
+    shared memory would launch a CTA with less than it uses."""
+    t = _compile.CUDA_TYPES
+    checks = []
+    for dt in ("f16", "bf16"):
+        for d in _compile.HEAD_SIZES:
+            for kw in (_compile.PREFILL_KEY_WARPS, _compile.DECODE_KEY_WARPS):
+                if kw == _compile.DECODE_KEY_WARPS and d not in _compile.DECODE_MMA_HEAD_SIZES:
+                    continue
+                layout = f"cpa::PrefillLayout<{t[dt]}, {d}, {kw}>"
+                checks += [f"static_assert({layout}::kSmemBytes == {_compile.prefill_smem_bytes(dt, d, kw)}, "
+                           f"\"smem {dt} d{d} kw{kw}\");",
+                           f"static_assert({layout}::TILE_N == {_compile.prefill_tile_keys(d)}, \"tile d{d}\");",
+                           f"static_assert({layout}::ROWS == {_compile.rows_per_cta(kw)}, \"rows kw{kw}\");"]
+                if kw == _compile.DECODE_KEY_WARPS:
+                    checks.append(f"static_assert({layout}::kCtasPerSm == {_compile.decode_ctas_per_sm(d)}, "
+                                  f"\"ctas d{d}\");")
+    checks.append(f"static_assert(cpa::kPrefillThreads == {_compile.PREFILL_THREADS}, \"threads\");")
+    checks.append(f"static_assert(cpa::kPrefillReduceThreads == {_compile.PREFILL_REDUCE_THREADS}, \"reduce\");")
+    checks.append(f"static_assert(cpa::kRowsPerCta == {_compile.PREFILL_ROWS_PER_CTA}, \"prefill rows\");")
+    _compile.compile_offline("paged_prefill.cu", [], "sm_90", "\n" + "\n".join(checks) + "\n")
+
+    decode_checks = [f"static_assert(cpa::kDecodeThreads == {decode._THREADS}, \"threads\");",
+                     f"static_assert(cpa::kReduceThreads == {decode._REDUCE_THREADS}, \"reduce\");"]
+    for dt in t:
+        for d in _compile.HEAD_SIZES:
+            for g in _compile.HEADS_PER_CTA:
+                layout = f"cpa::DecodeLayout<{t[dt]}, {d}, {g}>"
+                decode_checks += [f"static_assert({layout}::kStageBytes == {decode._STAGE_BYTES}, \"{dt} d{d}\");",
+                                  f"static_assert({decode._TILE_MULTIPLE} % {layout}::TILE == 0, \"tile\");"]
+    _compile.compile_offline("paged_decode.cu", [], "sm_90", "\n" + "\n".join(decode_checks) + "\n")
+
+
+def test_host_mirror_check_catches_a_mismatch():
+    """The static_assert route above fails loudly when host and kernel disagree."""
+    wrong = "\nstatic_assert(cpa::PrefillLayout<__half, 64, 4>::kSmemBytes == 1, \"smem mirror\");\n"
+    with pytest.raises(RuntimeError, match="smem mirror"):
+        _compile.compile_offline("paged_prefill.cu", [], "sm_90", wrong)
