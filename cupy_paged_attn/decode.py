@@ -47,35 +47,24 @@ class _QueryShape:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeLaunch:
-    """How one decode problem is launched: kernel specialisation (the FP32 kernel of paged_decode.cu, or the
-    tensor-core kernel of paged_prefill.cu in its decode tiling), grid and key partitioning."""
+    """How one decode problem is launched, all decided by :func:`plan_decode` (a run only reads it): kernel
+    specialisation (the FP32 kernel of paged_decode.cu, or the tensor-core kernel of paged_prefill.cu in its decode
+    tiling), grid, threads and dynamic shared memory, key partitioning, and the split-K reduction's grid and threads
+    (per (M tile, KV head) like the tensor-core CTAs and per chunk of their output elements; else per (sequence,
+    query head))."""
 
     spec: _compile.DecodeSpec | _compile.PrefillSpec
     grid: tuple[int, int, int]
     tokens_per_part: int
     num_parts: int
+    threads: int
+    shared_mem: int
+    reduce_grid: tuple[int, int, int]
+    reduce_threads: int
 
     @property
     def tensor_cores(self) -> bool:
         return isinstance(self.spec, _compile.PrefillSpec)
-
-    @property
-    def threads(self) -> int:
-        return _compile.PREFILL_THREADS if self.tensor_cores else _THREADS
-
-    @property
-    def shared_mem(self) -> int:
-        if isinstance(self.spec, _compile.PrefillSpec):
-            return _compile.prefill_smem_bytes(self.spec.dtype, self.spec.head_size, self.spec.key_warps)
-        return _STAGE_BYTES
-
-    def reduce_grid(self, num_seqs: int, num_heads: int) -> tuple[tuple[int, int, int], int]:
-        """Grid and threads of the split-K reduction: per (M tile, KV head) like the tensor-core CTAs and per chunk
-        of their output elements, else per (sequence, query head)."""
-        if isinstance(self.spec, _compile.PrefillSpec):
-            chunks = _compile.reduce_chunks(self.spec.head_size, self.spec.key_warps)
-            return (self.grid[0], self.grid[1], chunks), _compile.PREFILL_REDUCE_THREADS
-        return (num_seqs, num_heads, 1), _REDUCE_THREADS
 
 
 def uses_tensor_cores(problem: _checks.DecodeProblem) -> bool:
@@ -120,13 +109,17 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int) -> DecodeLaunch:
         ctas = p.num_seqs * tiles * p.num_kv_heads
         tokens_per_part, parts = split_keys(ctas, p.max_len, num_sms, _compile.prefill_tile_keys(p.head_size),
                                             resident=_compile.decode_ctas_per_sm(p.head_size))
-        spec = _compile.PrefillSpec(p.dtype, p.head_size, p.kv_layout, p.bias.mode, _compile.DECODE_KEY_WARPS)
-        return DecodeLaunch(spec, (ctas, 1, parts), tokens_per_part, parts)
+        kw = _compile.DECODE_KEY_WARPS
+        spec = _compile.PrefillSpec(p.dtype, p.head_size, p.kv_layout, p.bias.mode, kw)
+        return DecodeLaunch(spec, (ctas, 1, parts), tokens_per_part, parts, _compile.PREFILL_THREADS,
+                            _compile.prefill_smem_bytes(p.dtype, p.head_size, kw),
+                            (ctas, 1, _compile.reduce_chunks(p.head_size, kw)), _compile.PREFILL_REDUCE_THREADS)
     hg = heads_per_cta(p.group_size)
     chunks = -(-p.group_size // hg)
     tokens_per_part, parts = split_keys(p.num_seqs * p.num_kv_heads * chunks, p.max_len, num_sms, _TILE_MULTIPLE)
     spec = _compile.DecodeSpec(p.dtype, p.head_size, p.kv_layout, hg, p.bias.mode)
-    return DecodeLaunch(spec, (p.num_seqs * p.num_kv_heads * chunks, 1, parts), tokens_per_part, parts)
+    return DecodeLaunch(spec, (p.num_seqs * p.num_kv_heads * chunks, 1, parts), tokens_per_part, parts, _THREADS,
+                        _STAGE_BYTES, (p.num_seqs, p.num_heads, 1), _REDUCE_THREADS)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -168,48 +161,39 @@ def _launch_kernel() -> Any:
     return driver.launchKernel
 
 
-def _decode_arguments(p: _checks.DecodeProblem, launch: DecodeLaunch) -> list[tuple[str, np.generic]]:
-    """paged_decode's parameters in order, named by the operand they come from (pointers and the out strides are
-    set per launch)."""
+def _kernel_arguments(p: _checks.DecodeProblem, launch: DecodeLaunch) -> list[tuple[str, np.generic]]:
+    """The attention kernel's parameters in order, named by the operand they come from (pointers and the out
+    strides are set per launch): paged_decode's, or paged_prefill's in its decode tiling, which adds the query
+    rows (no query_start_loc, no tile_info: one query row per sequence), q_limit and causal. The tensor-core kernel
+    reads the query element by element (q_vec 0): its address changes with every run, so 16-byte alignment cannot
+    be promised."""
     i64, i32, null = np.int64, np.int32, np.uint64(0)
     q_strides = _kernel_strides(p.query)
     bias = p.bias.kernel_args()
+    tc = launch.tensor_cores
     return [
-        ("out", null), ("out.stride_s", i64(0)), ("out.stride_h", i64(0)), ("part_acc", null), ("part_ml", null),
+        *_out_arguments(),
         ("query", null), ("query.stride_s", i64(q_strides[0])), ("query.stride_h", i64(q_strides[1])),
+        *((("q_vec", i32(0)), ("query_start_loc", null), ("total_q", i32(p.num_seqs)), ("tile_info", null))
+          if tc else ()),
         ("key_cache", null), ("value_cache", null), ("block_stride", i64(p.cache.block_stride)),
         ("num_blocks", i32(p.cache.num_blocks)), ("block_shift", i32(p.cache.block_size.bit_length() - 1)),
         ("num_kv_heads", i32(p.num_kv_heads)),
         ("block_tables", null), ("block_tables.stride", i64(_kernel_strides(p.block_tables)[0])),
-        ("seq_lens", null), ("max_len", i32(p.max_len)),
+        ("seq_lens", null), ("max_len", i32(p.max_len)), *((("q_limit", i32(1)),) if tc else ()),
         ("bias", null), ("bias.index", null), *((f"bias.stride{i}", v) for i, v in enumerate(bias[2:6])),
         ("bias.dtype", bias[6]), ("bias.n", bias[7]), ("bias.m", bias[8]),
         ("alibi_slopes", null), ("scale", np.float32(p.scale)), ("group_size", i32(p.group_size)),
+        *((("causal", i32(0)),) if tc else ()),
         ("tokens_per_part", i32(launch.tokens_per_part)), ("num_parts", i32(launch.num_parts)),
     ]
 
 
-def _tensor_core_arguments(p: _checks.DecodeProblem, launch: DecodeLaunch) -> list[tuple[str, np.generic]]:
-    """paged_prefill's parameters in order for its decode tiling (no query_start_loc, no tile_info: one query row
-    per sequence), named as :func:`_decode_arguments` names them. The query is read element by element (q_vec 0):
-    its address changes with every run, so 16-byte alignment cannot be promised."""
-    i64, i32, null = np.int64, np.int32, np.uint64(0)
-    q_strides = _kernel_strides(p.query)
-    bias = p.bias.kernel_args()
-    return [
-        ("out", null), ("out.stride_s", i64(0)), ("out.stride_h", i64(0)), ("part_acc", null), ("part_ml", null),
-        ("query", null), ("query.stride_s", i64(q_strides[0])), ("query.stride_h", i64(q_strides[1])),
-        ("q_vec", i32(0)), ("query_start_loc", null), ("total_q", i32(p.num_seqs)), ("tile_info", null),
-        ("key_cache", null), ("value_cache", null), ("block_stride", i64(p.cache.block_stride)),
-        ("num_blocks", i32(p.cache.num_blocks)), ("block_shift", i32(p.cache.block_size.bit_length() - 1)),
-        ("num_kv_heads", i32(p.num_kv_heads)),
-        ("block_tables", null), ("block_tables.stride", i64(_kernel_strides(p.block_tables)[0])),
-        ("seq_lens", null), ("max_len", i32(p.max_len)), ("q_limit", i32(1)),
-        ("bias", null), ("bias.index", null), *((f"bias.stride{i}", v) for i, v in enumerate(bias[2:6])),
-        ("bias.dtype", bias[6]), ("bias.n", bias[7]), ("bias.m", bias[8]),
-        ("alibi_slopes", null), ("scale", np.float32(p.scale)), ("group_size", i32(p.group_size)),
-        ("causal", i32(0)), ("tokens_per_part", i32(launch.tokens_per_part)), ("num_parts", i32(launch.num_parts)),
-    ]
+def _out_arguments() -> list[tuple[str, np.generic]]:
+    """The leading parameters of every attention and reduction kernel: out, its strides, the split-K workspace."""
+    null = np.uint64(0)
+    return [("out", null), ("out.stride_s", np.int64(0)), ("out.stride_h", np.int64(0)), ("part_acc", null),
+            ("part_ml", null)]
 
 
 def _kernel_strides(arr: Any) -> tuple[int, ...]:
@@ -222,19 +206,15 @@ def _kernel_strides(arr: Any) -> tuple[int, ...]:
 
 
 def _reduce_arguments(p: _checks.DecodeProblem, launch: DecodeLaunch) -> list[tuple[str, np.generic]]:
-    i64, i32, null = np.int64, np.int32, np.uint64(0)
-    if launch.tensor_cores:  # paged_prefill_reduce
-        return [
-            ("out", null), ("out.stride_s", i64(0)), ("out.stride_h", i64(0)), ("part_acc", null),
-            ("part_ml", null), ("query_start_loc", null), ("total_q", i32(p.num_seqs)), ("tile_info", null),
-            ("num_kv_heads", i32(p.num_kv_heads)), ("group_size", i32(p.group_size)),
-            ("num_parts", i32(launch.num_parts)),
-        ]
-    return [
-        ("out", null), ("out.stride_s", i64(0)), ("out.stride_h", i64(0)), ("part_acc", null), ("part_ml", null),
-        ("seq_lens", null), ("max_len", i32(p.max_len)), ("num_heads", i32(p.num_heads)),
-        ("tokens_per_part", i32(launch.tokens_per_part)), ("num_parts", i32(launch.num_parts)),
-    ]
+    """The split-K reduction's parameters in order: paged_prefill_reduce's or paged_decode_reduce's."""
+    i32, null = np.int32, np.uint64(0)
+    if launch.tensor_cores:
+        rest = [("query_start_loc", null), ("total_q", i32(p.num_seqs)), ("tile_info", null),
+                ("num_kv_heads", i32(p.num_kv_heads)), ("group_size", i32(p.group_size))]
+    else:
+        rest = [("seq_lens", null), ("max_len", i32(p.max_len)), ("num_heads", i32(p.num_heads)),
+                ("tokens_per_part", i32(launch.tokens_per_part))]
+    return [*_out_arguments(), *rest, ("num_parts", i32(launch.num_parts))]
 
 
 #: The kernel parameter each operand's address goes to (a bias kind's arrays by their names in bias_operands).
@@ -325,13 +305,11 @@ class DecodePlan:
         self._launch = launch = plan_decode(problem, _num_sms(device))
         if isinstance(launch.spec, _compile.PrefillSpec):
             kernel, reduce_kernel, _ = _compile.get_prefill_kernels(launch.spec, device)
-            arguments = _tensor_core_arguments(problem, launch)
         else:
             kernel, reduce_kernel = _compile.get_decode_kernels(launch.spec, device, _STAGE_BYTES)
-            arguments = _decode_arguments(problem, launch)
         with _interop.on_device(device):  # CuPy holds a CUfunction per device
             self._function, self._reduce_function = kernel.kernel.ptr, reduce_kernel.kernel.ptr
-        self._args = _PackedArgs(arguments)
+        self._args = _PackedArgs(_kernel_arguments(problem, launch))
         self._reduce_args = _PackedArgs(_reduce_arguments(problem, self._launch))
         self._workspace = None
         self._owns_workspace = own_workspace
@@ -478,8 +456,8 @@ class DecodePlan:
         if launch.num_parts > 1:
             if not launch.tensor_cores:
                 self._reduce_args.set_pointer("seq_lens", int(self._args.slots[self._args.index["seq_lens"]]))
-            grid, threads = launch.reduce_grid(q.shape[0], q.shape[1])
-            self._reduce_args.launch(self._reduce_function, grid, threads, 0, launch_stream.ptr)
+            self._reduce_args.launch(self._reduce_function, launch.reduce_grid, launch.reduce_threads, 0,
+                                     launch_stream.ptr)
         return _interop.finish(self._framework, result)
 
 

@@ -68,7 +68,7 @@ def test_split_planning(rng, seq_lens, heads, expect_split):
     assert (plan.num_parts - 1) * plan.tokens_per_part < max(problem.max_len, 1), "no partition is empty"
     assert plan.grid == (len(seq_lens) * heads[1] * -(-(heads[0] // heads[1]) // plan.spec.heads_per_cta), 1,
                          plan.num_parts)
-    assert plan.reduce_grid(len(seq_lens), heads[0]) == ((len(seq_lens), heads[0], 1), 128)
+    assert (plan.reduce_grid, plan.reduce_threads) == ((len(seq_lens), heads[0], 1), 128)
     assert np.all(np.asarray(plan.grid) >= 1)
 
 
@@ -118,8 +118,8 @@ def test_tensor_core_decode_planning(rng, dtype, head_size, heads, tensor_cores)
         assert plan.grid == (2 * tiles * heads[1], 1, plan.num_parts)
         assert plan.spec.key_warps == _compile.DECODE_KEY_WARPS and plan.tokens_per_part % 64 == 0
         assert plan.threads == _compile.PREFILL_THREADS
-        assert plan.reduce_grid(2, heads[0]) == ((2 * tiles * heads[1], 1, head_size // 8),
-                                              _compile.PREFILL_REDUCE_THREADS)
+        assert (plan.reduce_grid, plan.reduce_threads) == ((2 * tiles * heads[1], 1, head_size // 8),
+                                                           _compile.PREFILL_REDUCE_THREADS)
     assert plan.num_parts * plan.tokens_per_part >= problem.max_len
 
 
