@@ -13,6 +13,24 @@ import cProfile
 import pstats
 import statistics
 import time
+from typing import Any
+
+
+def latency_case(heads: int = 16, kv_heads: int = 16) -> dict[str, Any]:
+    """The latency case of bench_decode (B1, d64, L1024, block 16, bf16) as torch tensors: the operands ``query``,
+    ``key_cache``, ``value_cache``, ``block_tables``, ``seq_lens``, a dense ``bias`` and an ``out``."""
+    import torch
+
+    batch, head_size, length, block = 1, 64, 1024, 16
+    pages = batch * length // block
+    q = torch.randn(batch, heads, head_size, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(pages, block, kv_heads, head_size, device="cuda", dtype=torch.bfloat16)
+    return {
+        "query": q, "key_cache": k, "value_cache": torch.randn_like(k),
+        "block_tables": torch.randperm(pages, device="cuda", dtype=torch.int32).view(batch, -1),
+        "seq_lens": torch.full((batch,), length, device="cuda", dtype=torch.int32),
+        "bias": torch.randn(batch, heads, length, device="cuda", dtype=torch.bfloat16), "out": torch.empty_like(q),
+    }
 
 
 def main() -> None:
@@ -27,16 +45,11 @@ def main() -> None:
 
     import cupy_paged_attn as cpa
 
-    batch, head_size, length, block = 1, 64, 1024, 16
     heads, kv_heads = map(int, args.heads.split("/"))
-    pages = batch * length // block
-    q = torch.randn(batch, heads, head_size, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(pages, block, kv_heads, head_size, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    tables = torch.randperm(pages, device="cuda", dtype=torch.int32).view(batch, -1)
-    lens = torch.full((batch,), length, device="cuda", dtype=torch.int32)
-    bias = torch.randn(batch, heads, length, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty_like(q)
+    case = latency_case(heads, kv_heads)
+    q, k, v, tables, lens = (case[n] for n in ("query", "key_cache", "value_cache", "block_tables", "seq_lens"))
+    bias, out = case["bias"], case["out"]
+    batch, head_size, length = q.shape[0], q.shape[2], tables.shape[1] * k.shape[1]
 
     t5 = cpa.RelativePositionBias(torch.randn(32, heads, device="cuda", dtype=torch.bfloat16))
     plan = cpa.DecodePlan(q, k, v, tables, lens, attn_bias=bias)

@@ -2,12 +2,18 @@
 CUDA graph of 20 back-to-back ``DecodePlan.run`` calls (L2 warm), median of 20 replays.
 
 Run on a GPU machine: ``PYTHONPATH=. python3 benchmarks/latency_split.py``. Sets ``decode._MIN_PART_TOKENS`` (the
-shortest partition) and ``decode.TENSOR_CORE_MIN_GROUP`` (1 forces the tensor-core kernel) for each row.
+shortest partition) and ``decode.TENSOR_CORE_MIN_GROUP`` (1 forces the tensor-core kernel) for each row. The case
+is host_overhead.py's, the graph capture bench_decode.py's.
 """
 
 from __future__ import annotations
 
 import itertools
+
+from bench_decode import capture_graph
+from host_overhead import latency_case
+
+CALLS_PER_GRAPH = 20
 
 
 def per_call_us(min_part: int, kernel: str, bias_kind: str) -> tuple[int, float]:
@@ -19,31 +25,19 @@ def per_call_us(min_part: int, kernel: str, bias_kind: str) -> tuple[int, float]
 
     decode._MIN_PART_TOKENS = min_part
     decode.TENSOR_CORE_MIN_GROUP = 1 if kernel == "tensor-cores" else 10**9
-    batch, heads, head_size, length, block = 1, 16, 64, 1024, 16
-    pages = batch * length // block
-    q = torch.randn(batch, heads, head_size, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(pages, block, heads, head_size, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    tables = torch.randperm(pages, device="cuda", dtype=torch.int32).view(batch, -1)
-    lens = torch.full((batch,), length, device="cuda", dtype=torch.int32)
-    bias = None if bias_kind == "none" else torch.randn(batch, heads, length, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty_like(q)
-    plan = cpa.DecodePlan(q, k, v, tables, lens, attn_bias=bias)
+    case = latency_case()
+    operands = [case[n] for n in ("query", "key_cache", "value_cache", "block_tables", "seq_lens")]
+    bias = None if bias_kind == "none" else case["bias"]
+    plan = cpa.DecodePlan(*operands, attn_bias=bias)
 
-    def call() -> None:
-        plan.run(q, k, v, tables, lens, attn_bias=bias, out=out)
+    def calls() -> list[torch.Tensor]:
+        for _ in range(CALLS_PER_GRAPH):
+            plan.run(*operands, attn_bias=bias, out=case["out"])
+        return [case["out"]]
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(20):
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, error = capture_graph(calls)
+    if graph is None:
+        raise RuntimeError(error)
     times = []
     for _ in range(20):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -51,7 +45,7 @@ def per_call_us(min_part: int, kernel: str, bias_kind: str) -> tuple[int, float]
         graph.replay()
         stop.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3 / 20)
+        times.append(start.elapsed_time(stop) * 1e3 / CALLS_PER_GRAPH)
     return plan.launch.num_parts, sorted(times)[len(times) // 2]
 
 
