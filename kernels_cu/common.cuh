@@ -248,13 +248,11 @@ struct StridedRow {
   const void* ptr;
   long long base, step;  // elements
   int dtype;
-  static __device__ __forceinline__ StridedRow make(const void* ptr, long long base, long long step, int dtype) {
-    return {ptr, base, step, dtype};
-  }
   __device__ __forceinline__ unsigned load(int j) const { return load_bias_bits(ptr, base + j * step, dtype); }
-  __device__ __forceinline__ long long step_bytes() const { return step * (dtype == kBiasF32 ? 4 : 2); }
+  __device__ __forceinline__ int itemsize() const { return dtype == kBiasF32 ? 4 : 2; }
+  __device__ __forceinline__ long long step_bytes() const { return step * itemsize(); }
   __device__ __forceinline__ const char* at(int j) const {
-    return static_cast<const char*>(ptr) + (base + j * step) * (dtype == kBiasF32 ? 4 : 2);
+    return static_cast<const char*>(ptr) + (base + j * step) * itemsize();
   }
   __device__ __forceinline__ unsigned load_at(const char* p) const {
     return dtype == kBiasF32 ? __ldg(reinterpret_cast<const unsigned*>(p))
@@ -293,7 +291,7 @@ struct DenseBias {
       return load_bias_bits(a.ptr, base + h * a.stride[1] + i * a.stride[2] + j * a.stride[3], a.dtype);
     }
     __device__ __forceinline__ Row row(int h, int i, int) const {
-      return Row::make(a.ptr, base + h * a.stride[1] + i * a.stride[2], a.stride[3], a.dtype);
+      return {a.ptr, base + h * a.stride[1] + i * a.stride[2], a.stride[3], a.dtype};
     }
   };
   static __device__ __forceinline__ DenseBias make(const BiasArgs& args) { return {args}; }
@@ -316,7 +314,7 @@ struct RaggedBias {
       return load_bias_bits(a.ptr, static_cast<long long>(first + j) * a.stride[0] + h * a.stride[1], a.dtype);
     }
     __device__ __forceinline__ Row row(int h, int, int) const {
-      return Row::make(a.ptr, static_cast<long long>(first) * a.stride[0] + h * a.stride[1], a.stride[0], a.dtype);
+      return {a.ptr, static_cast<long long>(first) * a.stride[0] + h * a.stride[1], a.stride[0], a.dtype};
     }
   };
   static __device__ __forceinline__ RaggedBias make(const BiasArgs& args) { return {args}; }
