@@ -202,14 +202,15 @@ def compile_offline(filename: str, names: list[str], arch: str, extra: str = "")
 # ---------------------------------------------------------------------------------------------------------------
 #: Bias kinds of the prefill kernels (a ragged bias is decode-only).
 PREFILL_BIAS_MODES = ("none", "dense", "t5")
-#: Threads of the attention kernels and rows (query token, query head) of one CTA: kPrefillThreads, kRowsPerCta.
+#: Threads of the attention kernels (kPrefillThreads) and packed (query token, query head) rows of one float32
+#: SIMT CTA (kSimtRowsPerCta); a tensor-core CTA's rows are rows_per_cta(...).
 PREFILL_THREADS = 128
-PREFILL_ROWS_PER_CTA = 64
+SIMT_ROWS_PER_CTA = 64
 PREFILL_PLAN_THREADS = 1024
 PREFILL_REDUCE_THREADS = 128
 _PREFILL_WARPS = 4
 _PREFILL_STAGES = 2
-_PREFILL_REL_TABLE = 640
+_PREFILL_REL_TABLE = 2048
 #: Warps that split a tile's keys in the tensor-core kernel (PrefillLayout's KEY_WARPS): 1 for prefill, where the
 #: warps split the rows; 4 for decode, whose 16 rows are one token's query heads.
 PREFILL_KEY_WARPS = 1
@@ -218,14 +219,25 @@ DECODE_KEY_WARPS = 4
 DECODE_MMA_HEAD_SIZES = tuple(d for d in HEAD_SIZES if d <= 128)
 
 
-def prefill_tile_keys(head_size: int) -> int:
+def prefill_tile_keys(head_size: int, key_warps: int = PREFILL_KEY_WARPS) -> int:
     """Keys per K/V tile of the tensor-core kernel (PrefillLayout::TILE_N); every partition is a multiple."""
-    return 64 if head_size <= 128 else 32
+    padded = -(-head_size // 16) * 16
+    return 32 if head_size > 128 or (prefill_m_tiles(head_size, key_warps) == 2 and padded > 64) else 64
 
 
-def rows_per_cta(key_warps: int) -> int:
+def prefill_m_tiles(head_size: int, key_warps: int = PREFILL_KEY_WARPS) -> int:
+    """16-row m tiles per warp of the tensor-core kernel (prefill_m_tiles in paged_prefill.cu)."""
+    return 2 if key_warps == 1 and head_size <= 128 else 1
+
+
+def rows_per_cta(head_size: int, key_warps: int = PREFILL_KEY_WARPS) -> int:
     """Packed (token, head) rows of one tensor-core CTA (rows_per_cta in paged_prefill.cu)."""
-    return 16 * _PREFILL_WARPS // key_warps
+    return 16 * prefill_m_tiles(head_size, key_warps) * _PREFILL_WARPS // key_warps
+
+
+def prefill_rows_per_cta(dtype: str, head_size: int) -> int:
+    """Packed rows of one prefill CTA (its M tile): the SIMT kernel's for float32, else the tensor-core kernel's."""
+    return SIMT_ROWS_PER_CTA if dtype == "f32" else rows_per_cta(head_size)
 
 
 def decode_ctas_per_sm(head_size: int) -> int:
@@ -233,9 +245,9 @@ def decode_ctas_per_sm(head_size: int) -> int:
     return 3 if head_size <= 64 else 2
 
 
-def reduce_chunks(head_size: int, key_warps: int = PREFILL_KEY_WARPS) -> int:
-    """grid.z of paged_prefill_reduce: one thread per output element of an M tile."""
-    return -(-rows_per_cta(key_warps) * head_size // PREFILL_REDUCE_THREADS)
+def reduce_chunks(rows: int, head_size: int) -> int:
+    """grid.z of paged_prefill_reduce: one thread per output element of an M tile of ``rows`` rows."""
+    return -(-rows * head_size // PREFILL_REDUCE_THREADS)
 
 
 def prefill_smem_bytes(dtype: str, head_size: int, key_warps: int = PREFILL_KEY_WARPS) -> int:
@@ -244,13 +256,13 @@ def prefill_smem_bytes(dtype: str, head_size: int, key_warps: int = PREFILL_KEY_
         return 0
     padded = -(-head_size // 16) * 16
     row = padded // 8 + 1  # 16-byte vectors per padded row
-    tile = prefill_tile_keys(head_size)
-    rows = rows_per_cta(key_warps)
+    tile = prefill_tile_keys(head_size, key_warps)
+    rows = rows_per_cta(head_size, key_warps)
     decode = key_warps > 1
     stages = 3 if decode else _PREFILL_STAGES
     rel_table = 0 if decode else _PREFILL_REL_TABLE
     return (rows * row * 16 + stages * 2 * tile * row * 16 + (stages + 1) * tile * 8
-            + (2 * rel_table + 2 * rows) * 4)
+            + (rel_table + 2 * rows) * 4)
 
 
 @dataclass(frozen=True)

@@ -105,15 +105,15 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int) -> DecodeLaunch:
     if uses_tensor_cores(p):
         # One CTA per (sequence, 16 query heads of a KV group, KV head) in x, KV head fastest (cta_rows in
         # paged_prefill.cu), and per partition in z.
-        tiles = -(-p.group_size // _compile.rows_per_cta(_compile.DECODE_KEY_WARPS))
-        ctas = p.num_seqs * tiles * p.num_kv_heads
-        tokens_per_part, parts = split_keys(ctas, p.max_len, num_sms, _compile.prefill_tile_keys(p.head_size),
-                                            resident=_compile.decode_ctas_per_sm(p.head_size))
         kw = _compile.DECODE_KEY_WARPS
+        rows = _compile.rows_per_cta(p.head_size, kw)
+        ctas = p.num_seqs * -(-p.group_size // rows) * p.num_kv_heads
+        tokens_per_part, parts = split_keys(ctas, p.max_len, num_sms, _compile.prefill_tile_keys(p.head_size, kw),
+                                            resident=_compile.decode_ctas_per_sm(p.head_size))
         spec = _compile.PrefillSpec(p.dtype, p.head_size, p.kv_layout, p.bias.mode, kw)
         return DecodeLaunch(spec, (ctas, 1, parts), tokens_per_part, parts, _compile.PREFILL_THREADS,
                             _compile.prefill_smem_bytes(p.dtype, p.head_size, kw),
-                            (ctas, 1, _compile.reduce_chunks(p.head_size, kw)), _compile.PREFILL_REDUCE_THREADS)
+                            (ctas, 1, _compile.reduce_chunks(rows, p.head_size)), _compile.PREFILL_REDUCE_THREADS)
     hg = heads_per_cta(p.group_size)
     chunks = -(-p.group_size // hg)
     tokens_per_part, parts = split_keys(p.num_seqs * p.num_kv_heads * chunks, p.max_len, num_sms, _TILE_MULTIPLE)

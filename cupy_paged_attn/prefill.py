@@ -13,15 +13,14 @@ from .decode import _num_sms, split_keys
 
 __all__ = ["paged_prefill_attention"]
 
-_ROWS = _compile.PREFILL_ROWS_PER_CTA  # packed (query token, query head) rows per CTA
-
 
 @dataclasses.dataclass(frozen=True)
 class PrefillLaunch:
     """How one prefill problem is launched: kernel specialisation, M tiles and key partitioning."""
 
     spec: _compile.PrefillSpec
-    num_tiles: int  # grid.x: an upper bound of Σ_s ceil(q_len_s · G / rows per CTA), from shapes only
+    rows: int  # packed (query token, query head) rows per CTA, its M tile
+    num_tiles: int  # grid.x: an upper bound of Σ_s ceil(q_len_s · G / rows), from shapes only
     tokens_per_part: int
     num_parts: int
 
@@ -29,19 +28,21 @@ class PrefillLaunch:
 def plan_prefill(problem: _checks.PrefillProblem, num_sms: int) -> PrefillLaunch:
     """Choose the kernel, the number of M tiles and the split, from shapes only (no device data is read).
 
-    Sequence ``s`` needs ``ceil(q_len_s · G / 64)`` tiles of 64 packed (token, head) rows; over all sequences that
-    is at most ``ceil(total_q · G / 64) + num_seqs``, the grid's x. The device-side plan kernel maps tiles to
+    Sequence ``s`` needs ``ceil(q_len_s · G / rows)`` tiles of ``rows`` packed (token, head) rows (128 on the tensor
+    cores up to head size 128, else 64); over all sequences that is at most ``ceil(total_q · G / rows) +
+    num_seqs``, the grid's x. The device-side plan kernel maps tiles to
     sequences; spare tiles exit at once. When the tiles that surely hold rows cannot fill the GPU, the keys are
     split into partitions (a multiple of the kernel's key tile), combined by the reduction kernel.
     """
     p = problem
     g = p.group_size
-    full_tiles = -(-p.total_q * g // _ROWS)
+    rows = _compile.prefill_rows_per_cta(p.dtype, p.head_size)
+    full_tiles = -(-p.total_q * g // rows)
     num_tiles = full_tiles + p.num_seqs
     tokens_per_part, parts = split_keys(max(1, full_tiles * p.num_kv_heads), p.max_len, num_sms,
                                         _compile.prefill_tile_keys(p.head_size))
     spec = _compile.PrefillSpec(p.dtype, p.head_size, p.kv_layout, p.bias.mode)
-    return PrefillLaunch(spec, num_tiles, tokens_per_part, parts)
+    return PrefillLaunch(spec, rows, num_tiles, tokens_per_part, parts)
 
 
 def _launch(problem: _checks.PrefillProblem, launch: PrefillLaunch, out: Any, tile_info: Any,
@@ -68,7 +69,8 @@ def _launch(problem: _checks.PrefillProblem, launch: PrefillLaunch, out: Any, ti
 
     plan_kernel(
         (1,), (_compile.PREFILL_PLAN_THREADS,),
-        (starts, i32(p.num_seqs), i32(p.total_q), i32(p.group_size), tiles, i32(launch.num_tiles)),
+        (starts, i32(p.num_seqs), i32(p.total_q), i32(p.group_size), i32(launch.rows), tiles,
+         i32(launch.num_tiles)),
         stream=stream,
     )
     grid = (launch.num_tiles, p.num_kv_heads, launch.num_parts)
@@ -89,7 +91,7 @@ def _launch(problem: _checks.PrefillProblem, launch: PrefillLaunch, out: Any, ti
     )
     if launch.num_parts > 1:
         reduce_kernel(
-            (launch.num_tiles, p.num_kv_heads, _compile.reduce_chunks(p.head_size)),
+            (launch.num_tiles, p.num_kv_heads, _compile.reduce_chunks(launch.rows, p.head_size)),
             (_compile.PREFILL_REDUCE_THREADS,),
             (
                 ptr(out), i64(out_strides[0]), i64(out_strides[1]), part_acc, part_ml, starts, i32(p.total_q),

@@ -10,26 +10,26 @@
 //
 // One CTA per (M tile, KV head, partition of the keys). The M dimension of the matrix products packs (query token,
 // query head of the KV group) pairs, FlashInfer-style: packed row R = i·G + g is token i, head kvh·G + g, so a CTA
-// of kRowsPerCta rows serves e.g. 64 tokens of one head (G = 1), 8 tokens of 8 heads, or, in decode with GQA, the
+// of 128 rows serves e.g. 128 tokens of one head (G = 1), 16 tokens of 8 heads, or, in decode with GQA (16 rows), the
 // G heads of one token. Every row carries its own position and key range, so all of these are the same code.
 //
 // 16-bit dtypes run on the tensor cores (mma.sync m16n8k16, float32 accumulators); float32 runs a plain SIMT kernel
 // (paged_prefill_simt: correct, not fast; no TF32, whose rounding would miss the 2e-5 tolerance).
 //
-// Tensor-core kernel, per CTA: 4 warps, warp w owns packed rows 16w ... 16w + 15 (prefill), or all 4 warps own
-// the same 16 rows and split each tile's keys (decode: KEY_WARPS = 4, see PrefillLayout).
+// Tensor-core kernel, per CTA: 4 warps, warp w owns packed rows 32w ... 32w + 31 (prefill; 16 rows for head sizes
+// over 128), or all 4 warps own the same 16 rows and split each tile's keys (decode: KEY_WARPS = 4, see
+// PrefillLayout).
 //   S = Q·Kᵀ      A = Q from registers (ldmatrix from shared memory once), B = K tile via ldmatrix
 //   online softmax on S in registers (base 2): m = running row max, l = running Σ 2^(x − m)
 //   O += P·V      A = P (the S accumulators, rounded to 16 bits), B = V tile via ldmatrix.trans
 // K and V tiles of TILE_N keys travel global -> shared by cp.async, STAGES deep, one barrier per tile; the byte
 // offset of each key's page row is computed once per key (page_s) so that a copy costs a shared load and two adds.
 // Rows of shared memory are padded by one 16-byte vector (an odd number of vectors per row), so the 8 rows that one
-// ldmatrix matrix reads fall in 8 different bank groups. Head sizes up to 96 run three CTAs per SM (Q re-read from
-// shared memory each tile, 168 registers), larger ones two (Q in registers).
+// ldmatrix matrix reads fall in 8 different bank groups. Two CTAs per SM in prefill (see PrefillLayout).
 // Per tile, each term of the logits is its own loop under a warp-uniform branch (ALiBi, the bias, the mask), so the
 // inner loop stays small: an earlier version with a branch per logit and per bias dtype outgrew the instruction
 // cache and ran 2.3x slower. T5 tiles that lie max_distance or more from every row of the CTA add one constant
-// per row (far_s); the others read a per-tile table.
+// per row (far_s); the others read a table built once per CTA (rel_s).
 //
 // Tiles: a host-sized grid of M tiles over all sequences, mapped to (sequence, tile of that sequence) by
 // paged_prefill_plan (device side: the host never reads query_start_loc). With several partitions (split-K, when
@@ -43,14 +43,15 @@ namespace cpa {
 // Constants
 // ---------------------------------------------------------------------------------------------------------------
 constexpr int kPrefillThreads = 128;  // 4 warps
-constexpr int kRowsPerWarp = 16;      // the M of one mma
+constexpr int kRowsPerMma = 16;       // the M of one mma
 constexpr int kPrefillWarps = kPrefillThreads / kWarpSize;
-constexpr int kRowsPerCta = kRowsPerWarp * kPrefillWarps;  // 64 packed (token, head) rows, warps split rows
+constexpr int kSimtRowsPerCta = 64;   // packed (token, head) rows of a SIMT (float32) CTA
 constexpr int kPrefillStages = 2;     // K/V tiles in shared memory: one computing, one landing
-constexpr int kRelTableMax = 640;     // floats of one per-tile relative-bias table (T5)
+constexpr int kRelTableMax = 2048;    // floats of a CTA's relative-bias table (T5)
 constexpr int kPlanThreads = 1024;
 constexpr int kPrefillReduceThreads = 128;
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kRescaleSlack = 8.0f;  // base 2: how far a tile's max may pass a row's softmax reference (p <= 256)
 
 // std::is_same without <type_traits> (NVRTC ships no standard library headers).
 template <typename A, typename B>
@@ -71,8 +72,8 @@ __device__ __forceinline__ int2 query_rows(const int* query_start_loc, int s, in
 }
 
 // The rows of this CTA: sequence s (−1 for a spare tile of the host-sized grid), its M tile, the sequence's first
-// query row q0 and q_len, and the KV head. Prefill: blockIdx.x is a tile of the plan's tile_info, blockIdx.y the KV
-// head. Decode passes no query_start_loc: one query row per sequence (row s), ceil(G / rows) M tiles per
+// query row q0 and q_len, and the KV head. Prefill: blockIdx.x is a tile of the plan's tile_info (last first),
+// blockIdx.y the KV head. Decode passes no query_start_loc: one query row per sequence (row s), ceil(G / rows) M tiles per
 // sequence, and blockIdx.x = (s·tiles + tile)·num_kv_heads + kvh, so that the CTAs of one sequence run side by
 // side (a RaggedBias row holds every head of a key: each sector is then fetched once, not once per KV head).
 struct CtaRows {
@@ -86,20 +87,24 @@ __device__ __forceinline__ CtaRows cta_rows(const int2* tile_info, const int* qu
     const int st = static_cast<int>(blockIdx.x) / num_kv_heads;
     return {st / tiles, st % tiles, st / tiles, 1, kvh};
   }
-  const int2 info = tile_info[blockIdx.x];
+  // Last entry first: a sequence's later tiles come first, which under a causal mask are its longest (more keys
+  // than the tiles before them), so the GPU's last wave is of short ones. (The spare tiles, last in tile_info,
+  // exit at once.)
+  const int2 info = tile_info[gridDim.x - 1 - blockIdx.x];
   if (info.x < 0) return {-1, 0, 0, 0, 0};
   const int2 q = query_rows(query_start_loc, info.x, total_q);
   return {info.x, info.y, q.x, q.y, static_cast<int>(blockIdx.y)};
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// The plan: tile_info[t] = (sequence, M tile within it) for t < Σ_s ceil(q_len_s·G / kRowsPerCta), (−1, 0) for the
+// The plan: tile_info[t] = (sequence, M tile within it) for t < Σ_s ceil(q_len_s·G / rows), (−1, 0) for the
 // rest of the host-sized grid (num_tiles >= that sum for any valid query_start_loc; extra tiles are dropped).
 // One CTA, sequences in chunks of kPlanThreads with an exclusive scan of their tile counts.
 // ---------------------------------------------------------------------------------------------------------------
 __global__ void __launch_bounds__(kPlanThreads) paged_prefill_plan(const int* __restrict__ query_start_loc,
                                                                    int num_seqs, int total_q, int group_size,
-                                                                   int2* __restrict__ tile_info, int num_tiles) {
+                                                                   int rows_per_tile, int2* __restrict__ tile_info,
+                                                                   int num_tiles) {
   __shared__ int scan_s[kPlanThreads];
   const int tid = threadIdx.x;
   for (int t = tid; t < num_tiles; t += kPlanThreads) tile_info[t] = make_int2(-1, 0);
@@ -111,7 +116,7 @@ __global__ void __launch_bounds__(kPlanThreads) paged_prefill_plan(const int* __
     int n = 0;
     if (s < num_seqs) {
       const long long rows = static_cast<long long>(query_rows(query_start_loc, s, total_q).y) * group_size;
-      n = static_cast<int>(min((rows + kRowsPerCta - 1) / kRowsPerCta, static_cast<long long>(num_tiles)));
+      n = static_cast<int>(min((rows + rows_per_tile - 1) / rows_per_tile, static_cast<long long>(num_tiles)));
     }
     scan_s[tid] = n;
     __syncthreads();  // every count is in before the scan reads its neighbours
@@ -132,51 +137,64 @@ __global__ void __launch_bounds__(kPlanThreads) paged_prefill_plan(const int* __
 
 // ---------------------------------------------------------------------------------------------------------------
 // Layout of one tensor-core specialisation (16-bit T). KEY_WARPS says how the 4 warps share a tile:
-//   1 (prefill): each warp owns 16 packed rows of the CTA's 64 and computes them against every key of the tile;
+//   1 (prefill): each warp owns MT·16 packed rows of the CTA's and computes them against every key of the tile.
+//                MT = 2 (FlashAttention-2's 32 rows per warp) up to head size 128: each K or V fragment read from
+//                shared memory then feeds two mmas, which halves the shared-memory traffic per mma (at 16 rows it
+//                was the limit: 2.5 wavefronts per mma) and gives each warp two independent mma chains. Larger
+//                heads have no registers for it: MT = 1.
 //   4 (decode):  the CTA has 16 rows (the query heads of one KV head, one query token each) and each warp computes
 //                them against its quarter of the tile's keys, with its own online softmax; the warps' (m, l, acc)
 //                are combined once, at the end, as split-K partitions are. Memory-bound, so its pipeline is deeper.
 // ---------------------------------------------------------------------------------------------------------------
-__host__ __device__ constexpr int rows_per_cta(int key_warps) { return kRowsPerWarp * kPrefillWarps / key_warps; }
+__host__ __device__ constexpr int prefill_m_tiles(int head, int key_warps) {
+  return key_warps == 1 && head <= 128 ? 2 : 1;
+}
+__host__ __device__ constexpr int rows_per_cta(int head, int key_warps) {
+  return kRowsPerMma * prefill_m_tiles(head, key_warps) * kPrefillWarps / key_warps;
+}
 
 template <typename T, int HEAD, int KEY_WARPS>
 struct PrefillLayout {
   static constexpr bool kDecode = KEY_WARPS > 1;
-  static constexpr int ROWS = rows_per_cta(KEY_WARPS);     // packed (token, head) rows per CTA
+  static constexpr int MT = prefill_m_tiles(HEAD, KEY_WARPS);  // m tiles (16 rows each) per warp
+  static constexpr int ROWS_W = MT * kRowsPerMma;          // rows of one warp
+  static constexpr int ROWS = rows_per_cta(HEAD, KEY_WARPS);  // packed (token, head) rows per CTA
   static constexpr int VEC = vec_elems<T>();               // 8 elements per 16-byte vector
   static constexpr int HEAD_P = (HEAD + 15) / 16 * 16;     // head size padded to the mma's k (120 -> 128)
   static constexpr int NV = HEAD_P / VEC;                  // vectors per padded row (even)
   static constexpr int NV_REAL = HEAD / VEC;               // of those, vectors that hold data (the rest are zeros)
   static constexpr int ROW = NV + 1;                       // row pitch in vectors: odd, so ldmatrix is conflict-free
-  static constexpr int TILE_N = HEAD <= 128 ? 64 : 32;     // keys per tile
+  // Keys per tile: 64, or 32 where two m tiles of a larger head would not fit their registers otherwise (so
+  // FlashAttention-2 tiles head size 128: 128 rows x 32 keys), and past head size 128.
+  static constexpr int TILE_N = HEAD > 128 || (MT == 2 && HEAD_P > 64) ? 32 : 64;
   static constexpr int KEYS_W = TILE_N / KEY_WARPS;        // keys of a tile that one warp computes
   static constexpr int KSTEPS = HEAD_P / 16;               // k steps of S = Q·Kᵀ
   static constexpr int NT_S = KEYS_W / 8;                  // n tiles of a warp's S
   static constexpr int NT_O = HEAD_P / 8;                  // n tiles of O
   static constexpr int COPIES = (TILE_N * NV + kPrefillThreads - 1) / kPrefillThreads;  // K, V vectors per thread
   static constexpr bool kCopiesEven = TILE_N * NV % kPrefillThreads == 0;  // else the last slot is some threads'
-  // CTAs per SM. Prefill: three where their shared memory fits (more warps to hide latency), with Q's A fragments
-  // re-read from shared memory each tile to stay within 168 registers; else two, with Q in registers up to HEAD
-  // 192. Decode: three CTAs up to HEAD 64, else two, each with two tiles in flight while it computes a third
-  // (64 KB per CTA at HEAD 128), Q in registers.
-  static constexpr int kCtasPerSm = kDecode ? (HEAD_P <= 64 ? 3 : 2) : HEAD <= 96 ? 3 : 2;
-  static constexpr bool kQInRegs = kDecode || (kCtasPerSm == 2 && HEAD <= 192);
+  // CTAs per SM. Prefill: two, Q's A fragments re-read from shared memory each tile where the warp has two m tiles
+  // (their accumulators take the registers), else held in registers. Decode: three CTAs up to HEAD 64, else two,
+  // each with two tiles in flight while it computes a third (64 KB per CTA at HEAD 128), Q in registers.
+  static constexpr int kCtasPerSm = kDecode && HEAD_P <= 64 ? 3 : 2;
+  static constexpr bool kQInRegs = MT == 1 && HEAD <= 192;
   static constexpr int STAGES = kDecode ? 3 : kPrefillStages;  // K/V tiles in shared memory
   static constexpr int PAGE_BUFFERS = STAGES + 1;  // tiles whose page offsets are in shared memory (see page_s)
   // Decode has one query position per CTA: T5 reads its table per logit (most tiles are far ones anyway).
   static constexpr int REL_TABLE = kDecode ? 0 : kRelTableMax;
   // Shared memory, in bytes: Q_s [ROWS][ROW], KV_s [STAGES][K, V][TILE_N][ROW] (16-byte vectors),
-  // page_s [PAGE_BUFFERS][TILE_N] long longs, rel_s [2][REL_TABLE] floats, far_s [2][ROWS] floats.
+  // page_s [PAGE_BUFFERS][TILE_N] long longs, rel_s [REL_TABLE] floats, far_s [2][ROWS] floats.
   static constexpr int kQBytes = ROWS * ROW * kVecBytes;
   static constexpr int kKVBytes = STAGES * 2 * TILE_N * ROW * kVecBytes;
   static constexpr int kPageBytes = PAGE_BUFFERS * TILE_N * 8;
-  static constexpr int kRelBytes = (2 * REL_TABLE + 2 * ROWS) * 4;
+  static constexpr int kRelBytes = (REL_TABLE + 2 * ROWS) * 4;
   static constexpr int kSmemBytes = kQBytes + kKVBytes + kPageBytes + kRelBytes;
   static_assert(sizeof(T) == 2, "the tensor-core kernel takes float16 / bfloat16");
   static_assert(kCtasPerSm * (kSmemBytes + 1024) <= 227 * 1024, "the CTAs per SM fit in an H100/H200 SM");
   static_assert(HEAD % VEC == 0 && NV % 2 == 0, "whole vectors, pairs of 8-column matrices");
   static_assert(KEYS_W % 16 == 0, "P·V takes keys 16 at a time");
   static_assert(!kDecode || KEY_WARPS * ROWS * (HEAD_P + 2) * 4 <= kKVBytes, "the warps combine in the K/V stages");
+  static_assert(!kDecode || MT == 1, "decode rows are one m tile");
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -203,7 +221,7 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
   using L = PrefillLayout<T, HEAD, KEY_WARPS>;
   using Cache = PagedCache<T, HEAD, LAYOUT>;
   constexpr int NV = L::NV, NV_REAL = L::NV_REAL, ROW = L::ROW, TILE_N = L::TILE_N, KSTEPS = L::KSTEPS;
-  constexpr int NT_S = L::NT_S, NT_O = L::NT_O, COPIES = L::COPIES;
+  constexpr int NT_S = L::NT_S, NT_O = L::NT_O, COPIES = L::COPIES, MT = L::MT, NR = 2 * L::MT;
   constexpr int ROWS = L::ROWS, STAGES = L::STAGES, PAGE_BUFFERS = L::PAGE_BUFFERS, REL_TABLE = L::REL_TABLE;
   constexpr bool kT5 = SameType<Bias, T5Bias>::value;
 
@@ -211,8 +229,8 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
   uint4* q_s = smem;                                   // [ROWS][ROW]
   uint4* kv_s = q_s + ROWS * ROW;                      // [stage][K, V][TILE_N][ROW]
   long long* page_s = reinterpret_cast<long long*>(kv_s + STAGES * 2 * TILE_N * ROW);  // [PAGE_BUFFERS][TILE_N]
-  float* rel_s = reinterpret_cast<float*>(page_s + PAGE_BUFFERS * TILE_N);            // [2][REL_TABLE]
-  float* far_s = rel_s + 2 * REL_TABLE;                                               // [2][ROWS]
+  float* rel_s = reinterpret_cast<float*>(page_s + PAGE_BUFFERS * TILE_N);            // [REL_TABLE]
+  float* far_s = rel_s + REL_TABLE;                                                   // [2][ROWS]
 
   const CtaRows cta = cta_rows(tile_info, query_start_loc, total_q, group_size, num_kv_heads, ROWS);
   const int s = cta.s;
@@ -224,7 +242,7 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
   const int tid = threadIdx.x;
   const int warp = tid / kWarpSize;
   const int lane = tid % kWarpSize;
-  const int row_warp = warp / KEY_WARPS;         // this warp's rows: 16·row_warp ... of the CTA's
+  const int row_warp = warp / KEY_WARPS;         // this warp's rows: ROWS_W·row_warp ... of the CTA's
   const int key0 = (warp % KEY_WARPS) * L::KEYS_W;  // and its keys: key0 ... key0 + KEYS_W − 1 of each tile
   const int qr = lane / 4;  // fragment row (and row + 8)
   const int qc = lane % 4;  // fragment column pair
@@ -248,14 +266,26 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
   const int loop_end = causal ? min(kend, p_last + 1) : kend;
   const int num_tiles = loop_end > kstart ? (loop_end - kstart + TILE_N - 1) / TILE_N : 0;
 
-  // ---- This thread's two fragment rows (qr and qr + 8 of its warp): token, head, position, key range.
-  int row_i[2], row_h[2], row_p[2], row_end[2], row_off[2];
-  bool row_written[2];
-  float slope2[2];
+  // T5 through one table in shared memory for the whole CTA: the bias depends on (head, j − p) only, and is the
+  // same for every |j − p| >= max_distance (bias_n) on a side. Entry (g, w) of rel_s: head kvh·G + g at relative
+  // position w − rel_half, base 2. Every (row, key) pair of a near tile (far_kind 0, below) lies within ±rel_half,
+  // so a row reads its entries of a tile at fixed offsets from one address (row_off + t0 + key). Built once, before
+  // the first tile. A table past REL_TABLE (large groups or max_distance): one load chain per logit.
+  const int rel_half = min(bias_n, REL_TABLE) + TILE_N + p_last - p_first;
+  const int rel_w = 2 * rel_half + 1;
+  const bool use_rel = kT5 && bias_n <= REL_TABLE && G * rel_w <= REL_TABLE;
+
+  // ---- This thread's fragment rows: r = 2·mt + hf is row qr + 8·hf of the warp's m tile mt (accumulator
+  // elements 2hf, 2hf + 1 of that tile's fragments). Per row: token, head, position, key range.
+  auto cta_row = [&](int r) { return row_warp * L::ROWS_W + (r / 2) * kRowsPerMma + qr + 8 * (r % 2); };
+  int row_i[NR], row_h[NR], row_p[NR], row_end[NR], row_off[NR];
+  bool row_written[NR];
+  float slope2[NR];
   int warp_min_end = 1 << 30;
+  int warp_end = kstart;
 #pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int R = m0 + row_warp * kRowsPerWarp + qr + 8 * hf;
+  for (int hf = 0; hf < NR; ++hf) {
+    const int R = m0 + cta_row(hf);
     const int i = R / G;
     const int g = R % G;
     row_written[hf] = R < rows_total;
@@ -264,19 +294,22 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
     row_h[hf] = kvh * G + g;
     row_p[hf] = keys ? pos0 + i : p_last;
     row_end[hf] = keys ? (causal ? min(kend, pos0 + i + 1) : kend) : kstart;
-    row_off[hf] = g * (TILE_N + p_last - p_first) + p_last - row_p[hf];  // T5 table offset, see fill_rel
+    row_off[hf] = g * rel_w + rel_half - row_p[hf];  // T5: rel_s entry of relative position −row_p
     slope2[hf] = alibi_slopes != nullptr && row_written[hf] ? alibi_slopes[row_h[hf]] * kLog2e : 0.0f;
-    if (row_written[hf]) warp_min_end = min(warp_min_end, row_end[hf]);
+    if (row_written[hf]) {
+      warp_min_end = min(warp_min_end, row_end[hf]);
+      warp_end = max(warp_end, row_end[hf]);
+    }
   }
-  // Keys before warp_min_end are keys of every written row of the warp: tiles below it need no mask.
+  // Keys before warp_min_end are keys of every written row of the warp: tiles below it need no mask. Keys from
+  // warp_end on are keys of none: the warp skips them (under a causal mask, the last tiles of the CTA's diagonal
+  // for its first warps; every tile for a warp without rows).
 #pragma unroll
-  for (int o = 1; o < kWarpSize; o *= 2) warp_min_end = min(warp_min_end, __shfl_xor_sync(0xffffffffu, warp_min_end, o));
-  const bool warp_active = __any_sync(0xffffffffu, row_written[0] || row_written[1]);
+  for (int o = 1; o < kWarpSize; o *= 2) {
+    warp_min_end = min(warp_min_end, __shfl_xor_sync(0xffffffffu, warp_min_end, o));
+    warp_end = max(warp_end, __shfl_xor_sync(0xffffffffu, warp_end, o));
+  }
 
-  // T5 through a per-tile table in shared memory: the bias depends on (head, j − p) only, so a tile needs
-  // G·(TILE_N + p_last − p_first) values instead of one load chain per logit. Too large a group: per logit.
-  const int rel_w = TILE_N + p_last - p_first;
-  const bool use_rel = kT5 && G * rel_w <= REL_TABLE;
   // Far tiles: T5's bias is one value per direction for keys at least max_distance (bias_n) before the query, and
   // for keys at least far_after after it (max_distance when bidirectional; 0 otherwise: one bucket for all later
   // keys). A tile whose keys are all that far from every row of the CTA adds a per-row constant: no table, no
@@ -291,8 +324,8 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
   // the row's own thread (qc == 0) and read by its quad: visible after the barrier before the first tile.
   if (kT5 && qc == 0) {
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int r = row_warp * kRowsPerWarp + qr + 8 * hf;
+    for (int hf = 0; hf < NR; ++hf) {
+      const int r = cta_row(hf);
       far_s[r] = bias.value(seq_bias.load(row_h[hf], 0, 0, -bias_n)) * kLog2e;
       far_s[ROWS + r] = bias.value(seq_bias.load(row_h[hf], 0, 0, far_after)) * kLog2e;
     }
@@ -329,17 +362,15 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
     q_s[r * ROW + c] = v;
   }
 
-  // T5 table of the tile at t0 into buffer b: entry (g, w) = bias of head kvh·G + g at relative position
-  // j − p = t0 + w − p_last, in base-2 units. A logit (row R, key t0 + kl) reads entry row_off + kl.
-  auto fill_rel = [&](int b, int t0) {
-    if constexpr (kT5) {
-      for (int e = tid; e < G * rel_w; e += kPrefillThreads) {
-        const int g = e / rel_w;
-        const int w = e % rel_w;
-        rel_s[b * REL_TABLE + e] = bias.value(seq_bias.load(kvh * G + g, 0, p_last, t0 + w)) * kLog2e;
-      }
+  // The T5 table (see rel_half); visible after the barrier before the first tile.
+  if (use_rel) {
+#pragma unroll 4
+    for (int e = tid; e < G * rel_w; e += kPrefillThreads) {
+      const int g = e / rel_w;
+      const int w = e % rel_w;
+      rel_s[e] = bias.value(seq_bias.load(kvh * G + g, 0, 0, w - rel_half)) * kLog2e;
     }
-  };
+  }
 
   // ---- Pages. page_s[u % PAGE_BUFFERS][t] is the byte offset, in the key cache, of vector 0 of key t of tile u
   // (head kvh): its page's plus its token's. −1 when its block id lies outside the cache (never dereferenced: the
@@ -406,14 +437,20 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
     return all_ok;
   };
 
-  // ---- Running state of this thread's two rows: m (base 2), l (this thread's share), acc = O.
-  float m[2] = {-inf(), -inf()};
-  float l[2] = {0.0f, 0.0f};
-  float acc[NT_O][4];
+  // ---- Running state of this thread's rows: m (base 2), l (this thread's share), acc = O.
+  float m[NR], l[NR];
 #pragma unroll
-  for (int n = 0; n < NT_O; ++n)
+  for (int hf = 0; hf < NR; ++hf) {
+    m[hf] = -inf();
+    l[hf] = 0.0f;
+  }
+  float acc[MT][NT_O][4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][n][e] = 0.0f;
 
   // Bias bits of a tile's logits for this thread's fragment (rows qr, qr + 8; keys key0 + 8nt + 2qc + {0, 1}).
   // Prefill loads them as a tile starts, to travel during its S = Q·Kᵀ. Decode, whose tiles are short and wait on
@@ -425,14 +462,15 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
   // past a row's end reads the row's last key instead (its logit is masked); rows without keys read nothing.
   constexpr bool kBiasLoads = Bias::enabled && !kT5;  // (dense and ragged: strided rows)
   constexpr bool kBiasAhead = kBiasLoads && L::kDecode;
-  using BiasFrag = typename Bias::Raw[NT_S][4];
-  const typename Bias::Seq::Row bias_rows[2] = {seq_bias.row(row_h[0], row_i[0], row_p[0]),
-                                                seq_bias.row(row_h[1], row_i[1], row_p[1])};
+  using BiasFrag = typename Bias::Raw[MT][NT_S][4];
+  typename Bias::Seq::Row bias_rows[NR];
+#pragma unroll
+  for (int hf = 0; hf < NR; ++hf) bias_rows[hf] = seq_bias.row(row_h[hf], row_i[hf], row_p[hf]);
   auto load_bias = [&](BiasFrag& raw, int t0) {
     if constexpr (kBiasLoads) {
       const int j0 = t0 + key0 + 2 * qc;
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
+      for (int hf = 0; hf < NR; ++hf) {
         const bool whole = L::kDecode && j0 + (NT_S - 1) * 8 + 1 < row_end[hf];  // every key of it is in the row
         const char* p = bias_rows[hf].at(j0);
         const long long step = bias_rows[hf].step_bytes();
@@ -443,11 +481,11 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
             for (int c = 0; c < 2; ++c) {
               const char* at = whole ? p + (nt * 8 + c) * step
                                      : bias_rows[hf].at(min(j0 + nt * 8 + c, row_end[hf] - 1));
-              raw[nt][2 * hf + c] = bias_rows[hf].load_at(at);
+              raw[hf / 2][nt][2 * (hf % 2) + c] = bias_rows[hf].load_at(at);
             }
         } else {
 #pragma unroll
-          for (int nt = 0; nt < NT_S; ++nt) raw[nt][2 * hf] = raw[nt][2 * hf + 1] = 0u;
+          for (int nt = 0; nt < NT_S; ++nt) raw[hf / 2][nt][2 * (hf % 2)] = raw[hf / 2][nt][2 * (hf % 2) + 1] = 0u;
         }
       }
     }
@@ -479,15 +517,14 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
     __syncthreads();  // the first tiles' page offsets are visible to every thread's copies
 #pragma unroll
     for (int u = 0; u < STAGES - 1; ++u) issue_tile(u);
-    if (use_rel && far_kind(kstart) == 0) fill_rel(0, kstart);
   }
-  __syncthreads();  // Q_s (and far_s) are complete before the warps read them
+  __syncthreads();  // Q_s (and far_s, rel_s) are complete before the warps read them
 
   unsigned qa[L::kQInRegs ? KSTEPS : 1][4];
   if constexpr (L::kQInRegs) {
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk)
-      ldmatrix_x4(qa[kk], &q_s[(row_warp * kRowsPerWarp + lane % 16) * ROW + 2 * kk + lane / 16]);
+      ldmatrix_x4(qa[kk], &q_s[(row_warp * L::ROWS_W + lane % 16) * ROW + 2 * kk + lane / 16]);
   }
   const float scale2 = scale * kLog2e;
   const bool has_alibi = alibi_slopes != nullptr;
@@ -506,104 +543,131 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
       issue_tile(tile + STAGES - 1);
       if (tile + STAGES < num_tiles) load_id(t0 + STAGES * TILE_N);
 
-      if (warp_active) {
+      if (t0 + key0 < warp_end) {  // (uniform over the warp)
         const bool need_mask = !(tile_ok && t0 + TILE_N <= warp_min_end);
         BiasFrag braw;
         if constexpr (kBiasAhead) {
 #pragma unroll
           for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) braw[nt][e] = ring[slot][nt][e];
+            for (int e = 0; e < 4; ++e) braw[0][nt][e] = ring[slot][0][nt][e];
           if (tile + 2 < num_tiles) load_bias(ring[slot], t0 + 2 * TILE_N);
         } else if constexpr (kBiasLoads) {
           load_bias(braw, t0);
         }
 
-        // ---- S = Q·Kᵀ: 16 rows x KEYS_W keys per warp.
-        float sacc[NT_S][4];
+        // ---- S = Q·Kᵀ: ROWS_W rows x KEYS_W keys per warp; each K fragment feeds the MT m tiles.
+        float sacc[MT][NT_S][4];
 #pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) sacc[nt][e] = 0.0f;
+          for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sacc[mt][nt][e] = 0.0f;
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
-          unsigned a[4];
-          if constexpr (L::kQInRegs) {
+          unsigned a[MT][4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) a[e] = qa[kk][e];
-          } else {
-            ldmatrix_x4(a, &q_s[(row_warp * kRowsPerWarp + lane % 16) * ROW + 2 * kk + lane / 16]);
+          for (int mt = 0; mt < MT; ++mt) {
+            if constexpr (L::kQInRegs) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) a[mt][e] = qa[kk][e];
+            } else {
+              ldmatrix_x4(a[mt], &q_s[(row_warp * L::ROWS_W + mt * kRowsPerMma + lane % 16) * ROW + 2 * kk + lane / 16]);
+            }
           }
 #pragma unroll
           for (int np = 0; np < NT_S / 2; ++np) {
             unsigned b[4];  // keys 16np + (0..7 | 8..15) x columns 16kk + (0..7 | 8..15)
             ldmatrix_x4(b, k_s(st, key0 + np * 16 + (lane / 16) * 8 + lane % 8, 2 * kk + (lane / 8) % 2));
-            mma_16816<T>(sacc[2 * np], a, b[0], b[1]);
-            mma_16816<T>(sacc[2 * np + 1], a, b[2], b[3]);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              mma_16816<T>(sacc[mt][2 * np], a[mt], b[0], b[1]);
+              mma_16816<T>(sacc[mt][2 * np + 1], a[mt], b[2], b[3]);
+            }
           }
         }
 
         // ---- Logits in base 2: x = (scale·s + alibi·(j − p) + bias)·log2(e); −inf for keys a row may not see.
         // One loop per term, each under a branch that is uniform over the warp: no term costs a branch per logit.
-        // The scale rides on the bias's add (one FFMA).
+        // The scale rides on the bias's add (one FFMA). Row of element e of m tile mt: hf = 2·mt + e / 2.
         if constexpr (!Bias::enabled) {
 #pragma unroll
-          for (int nt = 0; nt < NT_S; ++nt)
+          for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) sacc[nt][e] *= scale2;
+            for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) sacc[mt][nt][e] *= scale2;
         } else if (const int far = far_kind(t0); far != 0) {
-          const float* far_row = far_s + (far - 1) * ROWS + row_warp * kRowsPerWarp + qr;
-          const float row_bias[2] = {far_row[0], far_row[8]};
 #pragma unroll
-          for (int nt = 0; nt < NT_S; ++nt)
+          for (int mt = 0; mt < MT; ++mt) {
+            const float* far_row = far_s + (far - 1) * ROWS + cta_row(2 * mt);
+            const float row_bias[2] = {far_row[0], far_row[8]};
 #pragma unroll
-            for (int e = 0; e < 4; ++e) sacc[nt][e] = fmaf(sacc[nt][e], scale2, row_bias[e / 2]);
+            for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) sacc[mt][nt][e] = fmaf(sacc[mt][nt][e], scale2, row_bias[e / 2]);
+          }
         } else if (use_rel) {
-          const float* rel_row[2] = {rel_s + (tile & 1) * REL_TABLE + row_off[0],
-                                     rel_s + (tile & 1) * REL_TABLE + row_off[1]};
 #pragma unroll
-          for (int nt = 0; nt < NT_S; ++nt)
+          for (int mt = 0; mt < MT; ++mt) {
+            const float* rel_row[2] = {rel_s + row_off[2 * mt] + t0, rel_s + row_off[2 * mt + 1] + t0};
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-              sacc[nt][e] = fmaf(sacc[nt][e], scale2, rel_row[e / 2][key0 + nt * 8 + 2 * qc + (e & 1)]);
+            for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+              for (int e = 0; e < 4; ++e)
+                sacc[mt][nt][e] = fmaf(sacc[mt][nt][e], scale2, rel_row[e / 2][key0 + nt * 8 + 2 * qc + (e & 1)]);
+          }
         } else {
 #pragma unroll
-          for (int nt = 0; nt < NT_S; ++nt)
+          for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int hf = e / 2;
-              const int j = t0 + key0 + nt * 8 + 2 * qc + (e & 1);
-              const typename Bias::Raw raw = kT5 ? seq_bias.load(row_h[hf], row_i[hf], row_p[hf], j) : braw[nt][e];
-              sacc[nt][e] = fmaf(sacc[nt][e], scale2, bias.value(raw) * kLog2e);
-            }
+            for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int hf = 2 * mt + e / 2;
+                const int j = t0 + key0 + nt * 8 + 2 * qc + (e & 1);
+                const typename Bias::Raw raw =
+                    kT5 ? seq_bias.load(row_h[hf], row_i[hf], row_p[hf], j) : braw[mt][nt][e];
+                sacc[mt][nt][e] = fmaf(sacc[mt][nt][e], scale2, bias.value(raw) * kLog2e);
+              }
         }
         if (has_alibi) {
 #pragma unroll
-          for (int nt = 0; nt < NT_S; ++nt)
+          for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-              sacc[nt][e] += slope2[e / 2] * static_cast<float>(t0 + key0 + nt * 8 + 2 * qc + (e & 1) - row_p[e / 2]);
+            for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int hf = 2 * mt + e / 2;
+                sacc[mt][nt][e] += slope2[hf] * static_cast<float>(t0 + key0 + nt * 8 + 2 * qc + (e & 1) - row_p[hf]);
+              }
         }
         if (need_mask) {
 #pragma unroll
-          for (int nt = 0; nt < NT_S; ++nt)
+          for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int kl = key0 + nt * 8 + 2 * qc + (e & 1);
-              if (t0 + kl >= row_end[e / 2] || page_s[(tile % PAGE_BUFFERS) * TILE_N + kl] == -1) sacc[nt][e] = -inf();
-            }
+            for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int kl = key0 + nt * 8 + 2 * qc + (e & 1);
+                if (t0 + kl >= row_end[2 * mt + e / 2] || page_s[(tile % PAGE_BUFFERS) * TILE_N + kl] == -1)
+                  sacc[mt][nt][e] = -inf();
+              }
         }
 
-        // ---- Online softmax per row: m_new = max(m, max_j x), α = 2^(m − m_new), p = 2^(x − m_new),
-        // l = α·l + Σ p.
-        // While a row has seen no key (m_new = −inf) its reference is 0: α = 0·(nothing) and p = 0, never NaN.
-        float alpha[2], m_use[2];
+        // ---- Online softmax per row against a reference m (at least the max seen, less kRescaleSlack):
+        // α = 2^(m − m_ref), p = 2^(x − m_ref), l = α·l + Σ p.
+        // While a row has seen no key (m_ref = −inf) its reference is 0: α = 0·(nothing) and p = 0, never NaN.
+        float alpha[NR], m_use[NR];
+        bool grow[NR];
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
+        for (int hf = 0; hf < NR; ++hf) {
+          const int mt = hf / 2, c0 = 2 * (hf % 2);
           // The row max of this thread's logits as a balanced tree (a short dependency chain), then over the quad.
           float tree[NT_S];
 #pragma unroll
-          for (int nt = 0; nt < NT_S; ++nt) tree[nt] = fmaxf(sacc[nt][2 * hf], sacc[nt][2 * hf + 1]);
+          for (int nt = 0; nt < NT_S; ++nt) tree[nt] = fmaxf(sacc[mt][nt][c0], sacc[mt][nt][c0 + 1]);
 #pragma unroll
           for (int w = NT_S / 2; w > 0; w /= 2)
 #pragma unroll
@@ -611,64 +675,81 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
           float mx = tree[0];
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the 4 lanes of a quad share the row
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          const float m_new = fmaxf(m[hf], mx);
-          m_use[hf] = m_new == -inf() ? 0.0f : m_new;
-          alpha[hf] = fast_exp2(m[hf] - m_use[hf]);
-          m[hf] = m_new;
+          // The reference moves only when the tile's max passes it by more than kRescaleSlack (lazy rescaling, as
+          // in FlashAttention-4): p <= 2^kRescaleSlack then, exact in float32 and in the 16-bit P, and l and acc
+          // share the reference, so out = acc / l is unchanged. Most tiles then leave every row's reference alone,
+          // and the rescale of acc below is skipped.
+          const bool moves = mx > m[hf] + kRescaleSlack;  // (m = −inf: any key moves it)
+          const float m_ref = moves ? mx : m[hf];
+          m_use[hf] = m_ref == -inf() ? 0.0f : m_ref;
+          alpha[hf] = moves ? fast_exp2(m[hf] - m_use[hf]) : 1.0f;
+          grow[hf] = moves && m[hf] != -inf();  // (from −inf, acc and l are still 0: nothing to rescale)
+          m[hf] = m_ref;
         }
 #pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) sacc[nt][e] = fast_exp2(sacc[nt][e] - m_use[e / 2]);
+          for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {  // l = α·l + Σ p, the sum as a balanced tree
+            for (int e = 0; e < 4; ++e) sacc[mt][nt][e] = fast_exp2(sacc[mt][nt][e] - m_use[2 * mt + e / 2]);
+        bool rescale = false;
+#pragma unroll
+        for (int hf = 0; hf < NR; ++hf) {  // l = α·l + Σ p, the sum as a balanced tree
+          const int mt = hf / 2, c0 = 2 * (hf % 2);
           float tree[NT_S];
 #pragma unroll
-          for (int nt = 0; nt < NT_S; ++nt) tree[nt] = sacc[nt][2 * hf] + sacc[nt][2 * hf + 1];
+          for (int nt = 0; nt < NT_S; ++nt) tree[nt] = sacc[mt][nt][c0] + sacc[mt][nt][c0 + 1];
 #pragma unroll
           for (int w = NT_S / 2; w > 0; w /= 2)
 #pragma unroll
             for (int i = 0; i < w; ++i) tree[i] += tree[i + w];
           l[hf] = fmaf(l[hf], alpha[hf], tree[0]);
+          rescale = rescale || grow[hf];
         }
-        // Once the running max settles, most tiles leave it unchanged for every row of the warp (α = 1 exactly): one
-        // vote then replaces the NT_O·4 multiplications of the rescale.
-        if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+        // A tile that moves no row's reference (α = 1 exactly) leaves acc as it is: one vote replaces the MT·NT_O·4
+        // multiplications of the rescale.
+        if (__any_sync(0xffffffffu, rescale)) {
 #pragma unroll
-          for (int n = 0; n < NT_O; ++n)
+          for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[n][e] *= alpha[e / 2];
+            for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) acc[mt][n][e] *= alpha[2 * mt + e / 2];
         }
 
         // ---- O += P·V: the S accumulators of n tiles 2kk, 2kk + 1 are the A fragment of keys 16kk ... 16kk + 15
-        // (of the warp's keys).
+        // (of the warp's keys); each V fragment feeds the MT m tiles.
 #pragma unroll
         for (int kk = 0; kk < L::KEYS_W / 16; ++kk) {
-          unsigned a[4];
-          a[0] = pack2<T>(sacc[2 * kk][0], sacc[2 * kk][1]);
-          a[1] = pack2<T>(sacc[2 * kk][2], sacc[2 * kk][3]);
-          a[2] = pack2<T>(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]);
-          a[3] = pack2<T>(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]);
+          unsigned a[MT][4];
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            a[mt][0] = pack2<T>(sacc[mt][2 * kk][0], sacc[mt][2 * kk][1]);
+            a[mt][1] = pack2<T>(sacc[mt][2 * kk][2], sacc[mt][2 * kk][3]);
+            a[mt][2] = pack2<T>(sacc[mt][2 * kk + 1][0], sacc[mt][2 * kk + 1][1]);
+            a[mt][3] = pack2<T>(sacc[mt][2 * kk + 1][2], sacc[mt][2 * kk + 1][3]);
+          }
 #pragma unroll
           for (int np = 0; np < NT_O / 2; ++np) {
             unsigned b[4];  // keys 16kk + (0..7 | 8..15) x columns 16np + (0..7 | 8..15), transposed
             ldmatrix_x4_trans(b, v_s(st, key0 + kk * 16 + ((lane / 8) % 2) * 8 + lane % 8, 2 * np + lane / 16));
-            mma_16816<T>(acc[2 * np], a, b[0], b[1]);
-            mma_16816<T>(acc[2 * np + 1], a, b[2], b[3]);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              mma_16816<T>(acc[mt][2 * np], a[mt], b[0], b[1]);
+              mma_16816<T>(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+            }
           }
         }
       }
       // Tile + STAGES's page offsets (its block ids were loaded at the top of this tile); no one reads that buffer now.
       if (tile + STAGES < num_tiles) store_page(tile + STAGES, t0 + STAGES * TILE_N);
-      // The next tile's T5 table, into the other buffer (last read during the previous tile, before this barrier).
-      if (use_rel && tile + 1 < num_tiles && far_kind(t0 + TILE_N) == 0) fill_rel((tile + 1) & 1, t0 + TILE_N);
     }
   }
   cp_async_wait<0>();  // no copy may still be writing shared memory when the CTA exits (or combines in it)
 
   // ---- Epilogue: l over the quad; out = acc / l, or (acc, m, l) for the split-K reduction.
 #pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
+  for (int hf = 0; hf < NR; ++hf) {
     l[hf] += __shfl_xor_sync(0xffffffffu, l[hf], 1);
     l[hf] += __shfl_xor_sync(0xffffffffu, l[hf], 2);
   }
@@ -681,11 +762,11 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
     __syncthreads();  // every warp is done with the stages
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      const int r = row_warp * kRowsPerWarp + qr + 8 * hf;
+      const int r = cta_row(hf);
 #pragma unroll
       for (int n = 0; n < NT_O; ++n) {
-        acc_s[(kw * ROWS + r) * L::HEAD_P + n * 8 + 2 * qc] = acc[n][2 * hf];
-        acc_s[(kw * ROWS + r) * L::HEAD_P + n * 8 + 2 * qc + 1] = acc[n][2 * hf + 1];
+        acc_s[(kw * ROWS + r) * L::HEAD_P + n * 8 + 2 * qc] = acc[0][n][2 * hf];
+        acc_s[(kw * ROWS + r) * L::HEAD_P + n * 8 + 2 * qc + 1] = acc[0][n][2 * hf + 1];
       }
       if (qc == 0) {
         ml_s[(kw * ROWS + r) * 2] = m[hf];
@@ -725,9 +806,11 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
     }
   } else {
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
+    for (int hf = 0; hf < NR; ++hf) {
       if (!row_written[hf]) continue;
-      const int R = m0 + row_warp * kRowsPerWarp + qr + 8 * hf;
+      const int R = m0 + cta_row(hf);
+      const float(&row_acc)[NT_O][4] = acc[hf / 2];
+      const int c0 = 2 * (hf % 2);
       const long long q_row = q0 + R / G;
       const int h = row_h[hf];
       if (num_parts == 1) {
@@ -737,8 +820,8 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
         for (int n = 0; n < NT_O; ++n) {
           const int d = n * 8 + 2 * qc;
           if (d < HEAD) {
-            o[d] = from_float<T>(acc[n][2 * hf] * inv);
-            o[d + 1] = from_float<T>(acc[n][2 * hf + 1] * inv);
+            o[d] = from_float<T>(row_acc[n][c0] * inv);
+            o[d + 1] = from_float<T>(row_acc[n][c0 + 1] * inv);
           }
         }
       } else {
@@ -747,8 +830,8 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
         for (int n = 0; n < NT_O; ++n) {
           const int d = n * 8 + 2 * qc;
           if (d < HEAD) {
-            part_acc[at * HEAD + d] = acc[n][2 * hf];
-            part_acc[at * HEAD + d + 1] = acc[n][2 * hf + 1];
+            part_acc[at * HEAD + d] = row_acc[n][c0];
+            part_acc[at * HEAD + d + 1] = row_acc[n][c0 + 1];
           }
         }
         if (qc == 0) {
@@ -783,10 +866,10 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_simt(
   constexpr int DPL = (HEAD + kWarpSize - 1) / kWarpSize;  // head_size elements per lane
   constexpr int VEC = Cache::VEC;
 
-  const CtaRows cta = cta_rows(tile_info, query_start_loc, total_q, group_size, num_kv_heads, kRowsPerCta);
+  const CtaRows cta = cta_rows(tile_info, query_start_loc, total_q, group_size, num_kv_heads, kSimtRowsPerCta);
   const int s = cta.s;
   if (s < 0) return;
-  const int m0 = cta.tile * kRowsPerCta;
+  const int m0 = cta.tile * kSimtRowsPerCta;
   const int kvh = cta.kvh;
   const int part = blockIdx.z;
   const int G = group_size;
@@ -805,7 +888,7 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_simt(
   const int* table = block_tables + s * block_table_stride;
   const int block_mask = (1 << block_shift) - 1;
 
-  for (int r = warp; r < kRowsPerCta; r += kPrefillThreads / kWarpSize) {
+  for (int r = warp; r < kSimtRowsPerCta; r += kPrefillThreads / kWarpSize) {
     const int R = m0 + r;
     if (R >= q_len * G) break;
     const int i = R / G;
@@ -901,7 +984,7 @@ __global__ void __launch_bounds__(kPrefillReduceThreads) paged_prefill_reduce(
     const float* __restrict__ part_acc, const float* __restrict__ part_ml,
     const int* __restrict__ query_start_loc, int total_q, const int2* __restrict__ tile_info,
     int num_kv_heads, int group_size, int num_parts) {
-  constexpr int ROWS = rows_per_cta(KEY_WARPS);
+  constexpr int ROWS = sizeof(T) == 4 ? kSimtRowsPerCta : rows_per_cta(HEAD, KEY_WARPS);  // the M tile's
   const CtaRows cta = cta_rows(tile_info, query_start_loc, total_q, group_size, num_kv_heads, ROWS);
   if (cta.s < 0) return;
   const int G = group_size;

@@ -148,14 +148,15 @@ def test_host_mirrors_of_kernel_constants():
                 layout = f"cpa::PrefillLayout<{t[dt]}, {d}, {kw}>"
                 checks += [f"static_assert({layout}::kSmemBytes == {_compile.prefill_smem_bytes(dt, d, kw)}, "
                            f"\"smem {dt} d{d} kw{kw}\");",
-                           f"static_assert({layout}::TILE_N == {_compile.prefill_tile_keys(d)}, \"tile d{d}\");",
-                           f"static_assert({layout}::ROWS == {_compile.rows_per_cta(kw)}, \"rows kw{kw}\");"]
+                           f"static_assert({layout}::TILE_N == {_compile.prefill_tile_keys(d, kw)}, \"tile d{d}\");",
+                           f"static_assert({layout}::ROWS == {_compile.rows_per_cta(d, kw)}, \"rows d{d} kw{kw}\");",
+                           f"static_assert({layout}::MT == {_compile.prefill_m_tiles(d, kw)}, \"m tiles d{d}\");"]
                 if kw == _compile.DECODE_KEY_WARPS:
                     checks.append(f"static_assert({layout}::kCtasPerSm == {_compile.decode_ctas_per_sm(d)}, "
                                   f"\"ctas d{d}\");")
     checks.append(f"static_assert(cpa::kPrefillThreads == {_compile.PREFILL_THREADS}, \"threads\");")
     checks.append(f"static_assert(cpa::kPrefillReduceThreads == {_compile.PREFILL_REDUCE_THREADS}, \"reduce\");")
-    checks.append(f"static_assert(cpa::kRowsPerCta == {_compile.PREFILL_ROWS_PER_CTA}, \"prefill rows\");")
+    checks.append(f"static_assert(cpa::kSimtRowsPerCta == {_compile.SIMT_ROWS_PER_CTA}, \"simt rows\");")
     _compile.compile_offline("paged_prefill.cu", [], "sm_90", "\n" + "\n".join(checks) + "\n")
 
     decode_checks = [f"static_assert(cpa::kDecodeThreads == {decode._THREADS}, \"threads\");",

@@ -103,6 +103,47 @@ def test_single_query_rows_equal_paged_attention(rng, group, dtype):
         assert_close(got, want.astype(np.float64), dtype, bias)
 
 
+@pytest.mark.parametrize(("heads", "max_distance", "bidirectional"), [
+    ((4, 4), 128, True),    # one table per CTA (G·(2·(max_distance + tile + span) + 1) fits)
+    ((4, 4), 40, False),    # the same, unidirectional, most tiles far
+    ((32, 2), 128, True),   # G = 16: the table is too large, one load chain per logit
+    ((4, 4), 3000, True),   # max_distance past the table: per logit
+])
+def test_t5_table_and_per_logit_paths(rng, split, heads, max_distance, bidirectional):
+    """Both ways the tensor-core kernel adds T5's bias (a per-CTA table of relative positions, or a bucket and a
+    weight load per logit), on sequences long enough for near and far key tiles and several M tiles each."""
+    p = make_prefill_problem(rng, [(700, 700), (3500, 300), (50, 9)], num_heads=heads[0], num_kv_heads=heads[1],
+                             head_size=64, dtype="bf16", causal=not bidirectional)
+    table = rng.standard_normal((32, heads[0])).astype(np.float32)
+    p.attn_bias = cpa.RelativePositionBias(table, num_buckets=32, max_distance=max_distance,
+                                           bidirectional=bidirectional)
+    assert_close(run_cupy(p), paged_prefill_attention_ref(*p.args(), **p.kwargs()), "bf16",
+                 f"heads={heads} max_distance={max_distance}")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_softmax_reference_moves_lazily_and_exactly(rng, split, dtype):
+    """Logits that climb along the keys (a bias ramp, with a jump of 30) move the online softmax's reference many
+    times, by less and by more than the kernel's slack: the tensor-core kernels (prefill and the decode tiling)
+    still match the reference, including in float16, whose P then holds values up to 2^8."""
+    from helpers import make_problem
+
+    from cupy_paged_attn.reference import paged_attention_ref
+
+    p = make_prefill_problem(rng, [(900, 900), (1500, 70)], num_heads=4, num_kv_heads=4, head_size=64,
+                             dtype=dtype, bias="dense", causal=False)
+    ramp = (0.02 * np.arange(p.attn_bias.shape[-1]) + 30.0 * (np.arange(p.attn_bias.shape[-1]) >= 777))
+    p.attn_bias = (p.attn_bias + ramp).astype(p.attn_bias.dtype)
+    assert_close(run_cupy(p), paged_prefill_attention_ref(*p.args(), **p.kwargs()), dtype, "prefill")
+
+    d = make_problem(rng, [1500, 900, 64], num_heads=16, num_kv_heads=4, head_size=128, dtype=dtype, bias="dense")
+    d.attn_bias = (d.attn_bias + 0.02 * np.arange(d.attn_bias.shape[-1]) +
+                   30.0 * (np.arange(d.attn_bias.shape[-1]) >= 777)).astype(d.attn_bias.dtype)
+    args = [to_cupy(a) for a in d.args()]
+    got = to_numpy(cpa.paged_attention(*args, **{**d.kwargs(), "attn_bias": to_cupy(d.attn_bias)}))
+    assert_close(got, paged_attention_ref(*d.args(), **d.kwargs()), dtype, "decode")
+
+
 def test_single_pass_and_split_k_agree(rng, monkeypatch):
     p = make_prefill_problem(rng, [(3000, 100), (1, 1), (2049, 2049)], num_heads=8, num_kv_heads=2, head_size=64,
                              dtype="f16", bias="t5-causal")
