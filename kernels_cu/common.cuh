@@ -126,39 +126,6 @@ __device__ __forceinline__ float group_sum(float x) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Combining softmax states. The state of one output element over a subset of the keys: m, a reference (the largest
-// logit seen, or less, by at most a slack), l = Σ exp(x − m), o = Σ exp(x − m)·v; exp in base e or 2, as the
-// kernel that made it keeps its logits.
-// ---------------------------------------------------------------------------------------------------------------
-struct SoftmaxState {
-  float m, l, o;
-};
-
-// n states over disjoint keys (split-K partitions, the warps or thread slots of one CTA) as one:
-//   M = max_p m_p,  w_p = exp(m_p − M),  L = Σ_p w_p·l_p,  O = Σ_p w_p·o_p.
-// state(p) returns state p. A state that saw no key (m = −inf) weighs 0, whatever its l and o; with no key at all
-// the result is (−inf, 0, 0). The loops are unrolled by UNROLL, so that their loads are in flight together.
-template <bool BASE2, int UNROLL, typename State>
-__device__ __forceinline__ SoftmaxState combine_states(int n, const State& state) {
-  float big_m = -inf();
-#pragma unroll UNROLL
-  for (int p = 0; p < n; ++p) big_m = fmaxf(big_m, state(p).m);
-  SoftmaxState c{big_m, 0.0f, 0.0f};
-  if (big_m == -inf()) return c;
-#pragma unroll UNROLL
-  for (int p = 0; p < n; ++p) {
-    const SoftmaxState sp = state(p);
-    const float w = sp.m == -inf() ? 0.0f : BASE2 ? exp2f(sp.m - big_m) : __expf(sp.m - big_m);
-    c.l += w * sp.l;
-    c.o += w * sp.o;
-  }
-  return c;
-}
-
-// out = O / L, or 0 when no key contributed.
-__device__ __forceinline__ float softmax_out(const SoftmaxState& c) { return c.l > 0.0f ? c.o / c.l : 0.0f; }
-
-// ---------------------------------------------------------------------------------------------------------------
 // The paged KV caches, as every attention kernel reads them. A "vector" is VEC consecutive elements of head_size,
 // at index c < HEAD / VEC.
 // ---------------------------------------------------------------------------------------------------------------

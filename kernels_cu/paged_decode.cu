@@ -283,8 +283,8 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
     }
   }
 
-  // ---- Epilogue: combine the TZ token slots of each head (combine_states), as the split-K reduction combines
-  // partitions:  M = max_z m_z,  w_z = exp(m_z − M),  L = Σ_z w_z·l_z,  o = Σ_z w_z·acc_z.
+  // ---- Epilogue: combine the TZ token slots of each head, as the split-K reduction combines partitions:
+  //   M = max_z m_z,  w_z = exp(m_z − M),  L = Σ_z w_z·l_z,  o = Σ_z w_z·acc_z.
   cp_async_wait<0>();  // copies issued past the end still write zeros into the stages
   __syncthreads();     // every thread is done with the stages before the epilogue overwrites them
   float* acc_s = reinterpret_cast<float*>(stage_s);  // [TZ][HG][HEAD]
@@ -305,26 +305,33 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
   for (int i = tid; i < nh * HEAD; i += kDecodeThreads) {
     const int g = i / HEAD;
     const int d = i % HEAD;
-    // (Unrolled by 2: fully unrolled, the 8-head kernels spilled 700 bytes.)
-    const SoftmaxState c = combine_states<false, 2>(TZ, [&](int z) {
-      return SoftmaxState{ml_s[(z * HG + g) * 2], ml_s[(z * HG + g) * 2 + 1], acc_s[(z * HG + g) * HEAD + d]};
-    });
+    float big_m = -inf();
+    for (int z = 0; z < TZ; ++z) big_m = fmaxf(big_m, ml_s[(z * HG + g) * 2]);
+    float big_l = 0.0f;
+    float o = 0.0f;
+    if (big_m != -inf()) {
+      for (int z = 0; z < TZ; ++z) {
+        const float w = __expf(ml_s[(z * HG + g) * 2] - big_m);
+        big_l += w * ml_s[(z * HG + g) * 2 + 1];
+        o += w * acc_s[(z * HG + g) * HEAD + d];
+      }
+    }
     const int hh = head0 + g;
     if (num_parts == 1) {
-      out[s * out_stride_s + hh * out_stride_h + d] = from_float<T>(softmax_out(c));
+      out[s * out_stride_s + hh * out_stride_h + d] = from_float<T>(big_l > 0.0f ? o / big_l : 0.0f);
     } else {
       const long long at = (static_cast<long long>(s) * (num_kv_heads * group_size) + hh) * num_parts + part;
-      part_acc[at * HEAD + d] = c.o;
+      part_acc[at * HEAD + d] = o;
       if (d == 0) {
-        part_ml[at * 2] = c.m;
-        part_ml[at * 2 + 1] = c.l;
+        part_ml[at * 2] = big_m;
+        part_ml[at * 2 + 1] = big_l;
       }
     }
   }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Split-K reduction: for each (sequence, head), combine the partitions that hold keys (combine_states):
+// Split-K reduction: for each (sequence, head), combine the partitions that hold keys:
 //   M = max_p m_p,  w_p = exp(m_p − M),  out = Σ_p w_p·acc_p / Σ_p w_p·l_p   (zeros when no key contributes).
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T, int HEAD>
@@ -337,11 +344,21 @@ __global__ void __launch_bounds__(kReduceThreads) paged_decode_reduce(
   const int len = clamped_len(seq_lens, s, max_len);
   const int used = min(num_parts, (len + tokens_per_part - 1) / tokens_per_part);
   const long long slot0 = (static_cast<long long>(s) * num_heads + h) * num_parts;
+
+  float big_m = -inf();
+  for (int p = 0; p < used; ++p) big_m = fmaxf(big_m, part_ml[(slot0 + p) * 2]);
+  float big_l = 0.0f;
+  for (int p = 0; p < used; ++p) {
+    const float mp = part_ml[(slot0 + p) * 2];
+    if (mp != -inf()) big_l += __expf(mp - big_m) * part_ml[(slot0 + p) * 2 + 1];
+  }
   for (int d = threadIdx.x; d < HEAD; d += kReduceThreads) {
-    const SoftmaxState c = combine_states<false, 8>(used, [&](int p) {
-      return SoftmaxState{part_ml[(slot0 + p) * 2], part_ml[(slot0 + p) * 2 + 1], part_acc[(slot0 + p) * HEAD + d]};
-    });
-    out[s * out_stride_s + h * out_stride_h + d] = from_float<T>(softmax_out(c));
+    float o = 0.0f;
+    for (int p = 0; p < used; ++p) {
+      const float mp = part_ml[(slot0 + p) * 2];
+      if (mp != -inf()) o += __expf(mp - big_m) * part_acc[(slot0 + p) * HEAD + d];
+    }
+    out[s * out_stride_s + h * out_stride_h + d] = from_float<T>(big_l > 0.0f ? o / big_l : 0.0f);
   }
 }
 

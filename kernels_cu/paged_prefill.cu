@@ -755,8 +755,7 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
   }
   if constexpr (L::kDecode) {
     // The warps hold (m, l, acc) of the same rows over disjoint keys: combine them through the idle K/V stages as
-    // split-K partitions are (combine_states):  M = max_w m_w,  c_w = 2^(m_w − M),  L = Σ_w c_w·l_w,
-    // o = Σ_w c_w·acc_w.
+    // split-K partitions are combined:  M = max_w m_w,  c_w = 2^(m_w − M),  L = Σ_w c_w·l_w,  o = Σ_w c_w·acc_w.
     float* acc_s = reinterpret_cast<float*>(kv_s);        // [KEY_WARPS][ROWS][HEAD_P]
     float* ml_s = acc_s + KEY_WARPS * ROWS * L::HEAD_P;   // [KEY_WARPS][ROWS][2]
     const int kw = warp % KEY_WARPS;
@@ -779,21 +778,29 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
     for (int idx = tid; idx < rows * HEAD; idx += kPrefillThreads) {
       const int r = idx / HEAD;
       const int d = idx % HEAD;
-      const SoftmaxState c = combine_states<true, KEY_WARPS>(KEY_WARPS, [&](int w) {
-        return SoftmaxState{ml_s[(w * ROWS + r) * 2], ml_s[(w * ROWS + r) * 2 + 1],
-                            acc_s[(w * ROWS + r) * L::HEAD_P + d]};
-      });
+      float big_m = -inf();
+#pragma unroll
+      for (int w = 0; w < KEY_WARPS; ++w) big_m = fmaxf(big_m, ml_s[(w * ROWS + r) * 2]);
+      float big_l = 0.0f, o = 0.0f;
+      if (big_m != -inf()) {
+#pragma unroll
+        for (int w = 0; w < KEY_WARPS; ++w) {
+          const float c = fast_exp2(ml_s[(w * ROWS + r) * 2] - big_m);  // 0 for a warp that saw no key
+          big_l += c * ml_s[(w * ROWS + r) * 2 + 1];
+          o += c * acc_s[(w * ROWS + r) * L::HEAD_P + d];
+        }
+      }
       const int R = m0 + r;
       const long long q_row = q0 + R / G;
       const int h = kvh * G + R % G;
       if (num_parts == 1) {
-        out[q_row * out_stride_t + h * out_stride_h + d] = from_float<T>(softmax_out(c));
+        out[q_row * out_stride_t + h * out_stride_h + d] = from_float<T>(big_l > 0.0f ? o / big_l : 0.0f);
       } else {
         const long long at = (static_cast<long long>(part) * total_q + q_row) * (num_kv_heads * G) + h;
-        part_acc[at * HEAD + d] = c.o;
+        part_acc[at * HEAD + d] = o;
         if (d == 0) {
-          part_ml[at * 2] = c.m;
-          part_ml[at * 2 + 1] = c.l;
+          part_ml[at * 2] = big_m;
+          part_ml[at * 2 + 1] = big_l;
         }
       }
     }
@@ -967,8 +974,8 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_simt(
 // ---------------------------------------------------------------------------------------------------------------
 // Split-K reduction, per (M tile, KV head) as the attention CTAs (same blockIdx.x, y), each output element by one
 // thread: blockIdx.z takes elements z·threads ... of the tile's rows x HEAD (the grid's z covers them all):
-//   M = max_p m_p,  w_p = 2^(m_p − M),  out = Σ_p w_p·acc_p / Σ_p w_p·l_p   (zeros when no key contributes;
-// combine_states). The loops over partitions are unrolled so that their loads are in flight together: with few CTAs (a long
+//   M = max_p m_p,  w_p = 2^(m_p − M),  out = Σ_p w_p·acc_p / Σ_p w_p·l_p   (zeros when no key contributes).
+// The loops over partitions are unrolled so that their loads are in flight together: with few CTAs (a long
 // sequence split into many partitions) this kernel is a chain of memory latencies, not bandwidth.
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T, int HEAD, int KEY_WARPS>
@@ -992,11 +999,21 @@ __global__ void __launch_bounds__(kPrefillReduceThreads) paged_prefill_reduce(
     const long long q_row = cta.q0 + R / G;
     const int h = cta.kvh * G + R % G;
     const long long at = q_row * num_heads + h;
-    const SoftmaxState c = combine_states<true, 8>(num_parts, [&](int p) {
-      return SoftmaxState{part_ml[(p * part_stride + at) * 2], part_ml[(p * part_stride + at) * 2 + 1],
-                          part_acc[(p * part_stride + at) * HEAD + d]};
-    });
-    out[q_row * out_stride_t + h * out_stride_h + d] = from_float<T>(softmax_out(c));
+    float big_m = -inf();
+#pragma unroll 8
+    for (int p = 0; p < num_parts; ++p) big_m = fmaxf(big_m, part_ml[(p * part_stride + at) * 2]);
+    float big_l = 0.0f, o = 0.0f;
+    if (big_m != -inf()) {
+#pragma unroll 8
+      for (int p = 0; p < num_parts; ++p) {
+        const float mp = part_ml[(p * part_stride + at) * 2];
+        // A partition that saw no key of this row (m = −inf) has l = 0 and acc = 0: weight 0.
+        const float w = mp == -inf() ? 0.0f : exp2f(mp - big_m);
+        big_l += w * part_ml[(p * part_stride + at) * 2 + 1];
+        o += w * part_acc[(p * part_stride + at) * HEAD + d];
+      }
+    }
+    out[q_row * out_stride_t + h * out_stride_h + d] = from_float<T>(big_l > 0.0f ? o / big_l : 0.0f);
   }
 }
 
