@@ -123,6 +123,29 @@ def test_tensor_core_decode_planning(rng, dtype, head_size, heads, tensor_cores)
     assert plan.num_parts * plan.tokens_per_part >= problem.max_len
 
 
+@pytest.mark.parametrize(("dtype", "head_size", "rows", "tile"), [
+    ("bf16", 64, 128, 64), ("f16", 128, 128, 32), ("bf16", 96, 128, 32), ("bf16", 256, 64, 32), ("f32", 128, 64, 32),
+])
+def test_prefill_planning(rng, dtype, head_size, rows, tile):
+    """Prefill M tiles: 128 packed rows (two m tiles per warp) on the tensor cores up to head size 128, 64 past it
+    and on the float32 SIMT kernel; a grid of ceil(total_q·G / rows) + num_seqs tiles, partitions whole key tiles."""
+    from prefill_helpers import make_prefill_problem
+
+    from cupy_paged_attn import prefill
+
+    p = make_prefill_problem(rng, [(300, 300), (77, 7), (0, 0), (1000, 1)], num_heads=8, num_kv_heads=2,
+                             head_size=head_size, dtype=dtype)
+    problem = _checks.check_prefill(*p.args(), causal=True, scale=None, attn_bias=None, alibi_slopes=None,
+                                    kv_layout="nhd", out=None)
+    for sms in (1, 10**6):  # never split; split as far as the keys allow
+        launch = prefill.plan_prefill(problem, sms)
+        assert launch.rows == rows == _compile.prefill_rows_per_cta(dtype, head_size)
+        assert launch.num_tiles == -(-308 * 4 // rows) + 4
+        assert launch.tokens_per_part % tile == 0 and launch.num_parts * launch.tokens_per_part >= 1000
+        assert (launch.num_parts > 1) == (sms > 1)
+    assert _compile.reduce_chunks(rows, head_size) * _compile.PREFILL_REDUCE_THREADS >= rows * head_size
+
+
 @pytest.mark.parametrize("ctas", [1, 8, 32, 100, 263, 264, 1000])
 @pytest.mark.parametrize("max_len", [1, 300, 8192, 65536])
 def test_one_wave_split(ctas, max_len):
