@@ -19,8 +19,9 @@
 // Tensor-core kernel, per CTA: 4 warps, warp w owns packed rows 32w ... 32w + 31 (prefill; 16 rows for head sizes
 // over 128), or all 4 warps own the same 16 rows and split each tile's keys (decode: KEY_WARPS = 4, see
 // PrefillLayout).
-//   S = Q·Kᵀ      A = Q from registers (ldmatrix from shared memory once), B = K tile via ldmatrix
-//   online softmax on S in registers (base 2): m = running row max, l = running Σ 2^(x − m)
+//   S = Q·Kᵀ      A = Q via ldmatrix (each tile with two m tiles per warp; else once, into registers),
+//                 B = K tile via ldmatrix
+//   online softmax on S in registers (base 2): m = row reference (the running max, moved lazily), l = Σ 2^(x − m)
 //   O += P·V      A = P (the S accumulators, rounded to 16 bits), B = V tile via ldmatrix.trans
 // K and V tiles of TILE_N keys travel global -> shared by cp.async, STAGES deep, one barrier per tile; the byte
 // offset of each key's page row is computed once per key (page_s) so that a copy costs a shared load and two adds.
