@@ -219,10 +219,15 @@ DECODE_KEY_WARPS = 4
 DECODE_MMA_HEAD_SIZES = tuple(d for d in HEAD_SIZES if d <= 128)
 
 
+def _padded_head(head_size: int) -> int:
+    """The head size padded to the mma's k (PrefillLayout::HEAD_P: 120 -> 128)."""
+    return -(-head_size // 16) * 16
+
+
 def prefill_tile_keys(head_size: int, key_warps: int = PREFILL_KEY_WARPS) -> int:
     """Keys per K/V tile of the tensor-core kernel (PrefillLayout::TILE_N); every partition is a multiple."""
-    padded = -(-head_size // 16) * 16
-    return 32 if head_size > 128 or (prefill_m_tiles(head_size, key_warps) == 2 and padded > 64) else 64
+    two_m_tiles = prefill_m_tiles(head_size, key_warps) == 2
+    return 32 if head_size > 128 or (two_m_tiles and _padded_head(head_size) > 64) else 64
 
 
 def prefill_m_tiles(head_size: int, key_warps: int = PREFILL_KEY_WARPS) -> int:
@@ -254,8 +259,7 @@ def prefill_smem_bytes(dtype: str, head_size: int, key_warps: int = PREFILL_KEY_
     """Dynamic shared memory of one tensor-core CTA (PrefillLayout::kSmemBytes; 0 for the float32 SIMT kernel)."""
     if dtype == "f32":
         return 0
-    padded = -(-head_size // 16) * 16
-    row = padded // 8 + 1  # 16-byte vectors per padded row
+    row = _padded_head(head_size) // 8 + 1  # 16-byte vectors per padded row
     tile = prefill_tile_keys(head_size, key_warps)
     rows = rows_per_cta(head_size, key_warps)
     decode = key_warps > 1

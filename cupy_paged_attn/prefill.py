@@ -30,9 +30,9 @@ def plan_prefill(problem: _checks.PrefillProblem, num_sms: int) -> PrefillLaunch
 
     Sequence ``s`` needs ``ceil(q_len_s · G / rows)`` tiles of ``rows`` packed (token, head) rows (128 on the tensor
     cores up to head size 128, else 64); over all sequences that is at most ``ceil(total_q · G / rows) +
-    num_seqs``, the grid's x. The device-side plan kernel maps tiles to
-    sequences; spare tiles exit at once. When the tiles that surely hold rows cannot fill the GPU, the keys are
-    split into partitions (a multiple of the kernel's key tile), combined by the reduction kernel.
+    num_seqs``, the grid's x. The device-side plan kernel maps tiles to sequences; spare tiles exit at once. When
+    the tiles that surely hold rows cannot fill the GPU, the keys are split into partitions (a multiple of the
+    kernel's key tile), combined by the reduction kernel.
     """
     p = problem
     g = p.group_size
