@@ -117,6 +117,10 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
   const int len = seq_bias.limit(clamped_len(seq_lens, s, max_len));
   const int start = part * tokens_per_part;
   const int end = min(start + tokens_per_part, len);
+  // The keys whose block ids are fetched: the partition's, within the table (max_len), whatever seq_lens[s] says (an
+  // id is used only for a key below end). The loads then need not wait for seq_lens[s], and fewer values stay live
+  // across the loop: the bias specialisations stopped spilling (benchmarks/NOTES.md, session 6).
+  const int fetch_end = min(start + tokens_per_part, max_len);
   const int block_mask = (1 << block_shift) - 1;
 
   const Cache cache{key_cache, value_cache, cache_block_stride, num_kv_heads, block_shift};
@@ -152,14 +156,14 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
     for (int k = 0; k < kVecsPerThread; ++k) {
       const int idx = tid + k * kDecodeThreads;
       cblk_r[st][k] = -1;
-      if (idx < TILE * NVEC && t0 + idx / NVEC < end) cblk_r[st][k] = table[(t0 + idx / NVEC) >> block_shift];
+      if (idx < TILE * NVEC && t0 + idx / NVEC < fetch_end) cblk_r[st][k] = table[(t0 + idx / NVEC) >> block_shift];
     }
 #pragma unroll
     for (int i = 0; i < KPL; ++i) {
       const int k = tx + i * TX;
       const int j = t0 + tz + k * TZ;
       xblk_r[st][i] = -1;
-      if (k < TPT && j < end) xblk_r[st][i] = table[j >> block_shift];
+      if (k < TPT && j < fetch_end) xblk_r[st][i] = table[j >> block_shift];
     }
   };
   // Tile t0 into slot st: its keys and values into shared memory (one cp.async group), its bias into bias_r.
