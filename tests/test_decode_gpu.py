@@ -370,6 +370,39 @@ def test_plan_runs_like_paged_attention(rng, split, framework, bias):
         assert_close(to_numpy(out), expected, "bf16", "out=")
 
 
+@pytest.mark.parametrize("kernel", ["fp32-loop", "tensor-cores"])
+def test_split_plan_reruns_and_replays(rng, monkeypatch, kernel):
+    """Split-K runs of one plan, eager and as CUDA-graph replays, each on fresh data in the same buffers: the plan's
+    workspace is reused by every run, and a sequence shorter than the partitions' span (3 keys) must not pick up a
+    previous run's partials."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(decode, "_num_sms", lambda device: 10**6)
+    monkeypatch.setattr(decode, "TENSOR_CORE_MIN_GROUP", 1 if kernel == "tensor-cores" else 10**9)
+    shape = dict(num_heads=8, num_kv_heads=2, head_size=64, dtype="bf16", bias="dense", bias_dtype="bf16",
+                 alibi=True, spare_blocks=0, extra_table_cols=0)
+    lens = [1500, 3, 700]
+    first = make_problem(rng, lens, **shape)
+    args, kwargs = device_args(first, to_torch)
+    plan = cpa.DecodePlan(*args, **kwargs)
+    assert plan.launch.num_parts > 1 and plan.launch.tensor_cores == (kernel == "tensor-cores")
+    extra = ("attn_bias", "alibi_slopes")
+    out = torch.full_like(args[0], float("nan"))
+    graph = captured(lambda: plan.run(*args, **{k: kwargs[k] for k in extra}, out=out))
+    for i in range(4):
+        p = make_problem(rng, lens, **shape)
+        expected = paged_attention_ref(*p.args(), **p.kwargs())
+        new_args, new_kwargs = device_args(p, to_torch)
+        assert_close(to_numpy(plan.run(*new_args, **{k: new_kwargs[k] for k in extra})), expected, "bf16",
+                     f"eager run {i}")
+        for dst, src in zip([*args, *(kwargs[k] for k in extra)], [*new_args, *(new_kwargs[k] for k in extra)],
+                            strict=True):
+            dst.copy_(src)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(to_numpy(out), expected, "bf16", f"graph replay {i}")
+
+
 def test_plan_rejects_what_it_was_not_built_for(rng):
     import cupy
 
