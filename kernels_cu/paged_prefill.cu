@@ -53,6 +53,10 @@ constexpr int kPlanThreads = 1024;
 constexpr int kPrefillReduceThreads = 128;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kRescaleSlack = 8.0f;  // base 2: how far a tile's max may pass a row's softmax reference (p <= 256)
+#ifndef CPA_BIAS_RING
+#define CPA_BIAS_RING 3
+#endif
+constexpr int kBiasRing = CPA_BIAS_RING;  // decode: tiles of dense / ragged bias values in flight (register arrays)
 
 // std::is_same without <type_traits> (NVRTC ships no standard library headers).
 template <typename A, typename B>
@@ -455,9 +459,9 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
 
   // Bias bits of a tile's logits for this thread's fragment (rows qr, qr + 8; keys key0 + 8nt + 2qc + {0, 1}).
   // Prefill loads them as a tile starts, to travel during its S = Q·Kᵀ. Decode, whose tiles are short and wait on
-  // memory, loads them two tiles ahead into a ring of two register arrays (the tile loop is unrolled by two, so each
-  // slot is a compile-time array: no register waits on a load before its tile uses it). (T5 reads in place, below:
-  // its loads hit L1.)
+  // memory, loads them kBiasRing tiles ahead into a ring of kBiasRing register arrays (the tile loop is unrolled by
+  // kBiasRing, so each slot is a compile-time array: no register waits on a load before its tile uses it). (T5 reads
+  // in place, below: its loads hit L1.)
   // The thread's keys of a tile are j0 + {0, 1, 8, 9, ...}: decode takes one address per row and tile, then fixed
   // byte offsets (prefill, with 4x the keys per thread, would hold the offsets in registers it has not got). A key
   // past a row's end reads the row's last key instead (its logit is masked); rows without keys read nothing.
@@ -491,11 +495,11 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
       }
     }
   };
-  constexpr int RING = kBiasAhead ? 2 : 1;
+  constexpr int RING = kBiasAhead ? kBiasRing : 1;
   BiasFrag ring[RING];
   if constexpr (kBiasAhead) {
-    load_bias(ring[0], kstart);
-    load_bias(ring[1], kstart + TILE_N);
+#pragma unroll
+    for (int u = 0; u < RING; ++u) load_bias(ring[u], kstart + u * TILE_N);
   }
 
   // Whether every key this thread copied for tile u lies in the cache: bit u % 32 (u's copies are issued
@@ -552,7 +556,7 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
           for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) braw[0][nt][e] = ring[slot][0][nt][e];
-          if (tile + 2 < num_tiles) load_bias(ring[slot], t0 + 2 * TILE_N);
+          if (tile + RING < num_tiles) load_bias(ring[slot], t0 + RING * TILE_N);
         } else if constexpr (kBiasLoads) {
           load_bias(braw, t0);
         }
