@@ -20,6 +20,17 @@
 
 namespace cpa {
 
+// Zero accumulators of MT x NT mma tiles (4 float32 of C each).
+template <int MT, int NT>
+__device__ __forceinline__ void zero_fragments(float (&c)[MT][NT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) c[mt][nt][e] = 0.0f;
+}
+
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }

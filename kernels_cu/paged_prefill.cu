@@ -450,12 +450,7 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
     l[hf] = 0.0f;
   }
   float acc[MT][NT_O][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int n = 0; n < NT_O; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mt][n][e] = 0.0f;
+  zero_fragments(acc);
 
   // Bias bits of a tile's logits for this thread's fragment (rows qr, qr + 8; keys key0 + 8nt + 2qc + {0, 1}).
   // Prefill loads them as a tile starts, to travel during its S = Q·Kᵀ. Decode, whose tiles are short and wait on
@@ -563,12 +558,7 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
 
         // ---- S = Q·Kᵀ: ROWS_W rows x KEYS_W keys per warp; each K fragment feeds the MT m tiles.
         float sacc[MT][NT_S][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < NT_S; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) sacc[mt][nt][e] = 0.0f;
+        zero_fragments(sacc);
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
           unsigned a[MT][4];
