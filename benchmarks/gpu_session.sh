@@ -3,7 +3,7 @@
 # root of a source checkout on the GPU machine:
 #
 #   bash benchmarks/gpu_session.sh tests     every GPU test (8 workers), compute-sanitizer memcheck over the
-#                                            representative launches, the examples, host overhead
+#                                            representative launches, the examples, host overhead, compile times
 #   bash benchmarks/gpu_session.sh bench     bench_decode.py and bench_prefill.py, results into $OUT (or bench_out)
 #   bash benchmarks/gpu_session.sh two-gpu   what needs two GPUs (a machine of kind nvidia-h200-x2)
 #
@@ -34,6 +34,7 @@ case "${1:-tests}" in
     step serving-loop 60 python3 examples/serving_loop.py
     step t5-generate 150 python3 examples/t5_generate.py
     step host-overhead 60 python3 benchmarks/host_overhead.py --calls 1000
+    step compile-time 120 python3 benchmarks/compile_time.py
     ;;
   bench)
     TAIL=40 step bench-decode 420 python3 benchmarks/bench_decode.py --reps 20 --out "$out"

@@ -1,5 +1,6 @@
-"""CPU: ``benchmarks/bench_decode.py`` without a GPU: the dry run, the command line, the floor bytes and the report
-(from made-up times), so that a mistake there shows here rather than at the end of a GPU run.
+"""CPU: the benchmark scripts without a GPU, so that a mistake there shows here rather than at the end of a GPU run:
+``benchmarks/bench_decode.py``'s dry run, command line, floor bytes and report (from made-up times), and
+``benchmarks/compile_time.py``'s offline mode.
 """
 
 from __future__ import annotations
@@ -168,3 +169,16 @@ def test_json_record(bench, tmp_path):
     ours_dense = record["cases"][0]["timings"][1]
     assert ours_dense["impl"] == "ours+dense" and ours_dense["us"] == 150.0  # the graph time
     assert not list((tmp_path / "out").glob("*.tmp"))
+
+
+def test_compile_time_offline_and_bad_specs():
+    """benchmarks/compile_time.py without a GPU: the NVRTC-only mode times a specialisation; a bad --specs exits 2."""
+    script = REPO_ROOT / "benchmarks" / "compile_time.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, str(script), "--offline", "sm_90", "--specs", "cache-write"],
+                            capture_output=True, text=True, timeout=120, env=env, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "reshape_and_cache_bf16_nhd_slot-i32" in result.stdout and " s" in result.stdout
+    bad = subprocess.run([sys.executable, str(script), "--specs", "nope"], capture_output=True, text=True,
+                         timeout=60, env=env, cwd=REPO_ROOT)
+    assert bad.returncode == 2 and "--specs" in bad.stderr
