@@ -17,7 +17,10 @@ _THREADS = 256  # kDecodeThreads in paged_decode.cu
 _REDUCE_THREADS = 128  # kReduceThreads
 _STAGE_BYTES = 3 * 2 * 2 * _THREADS * 16  # DecodeLayout::kStageBytes: kStages x (K, V) x kVecsPerThread x 16 B
 _TILE_MULTIPLE = 128  # every specialisation's TILE divides this
-_MIN_PART_TOKENS = 256  # a split-K partition is never shorter
+# A split-K partition holds more than half this many keys. 128 rather than 256: in the latency case (B1 H16 d64 L1024)
+# 8 partitions instead of 4 cost the same without a bias and less with one (H200: dense 11.8 -> 11.4 us, T5 12.5 ->
+# 11.9; benchmarks/NOTES.md, session 6).
+_MIN_PART_TOKENS = 128
 _SPLIT_BELOW_CTAS_PER_SM = 2  # fewer CTAs than this per SM cannot hide memory latency: split the keys
 _CTAS_PER_SM_TARGET = 4  # then split until the grid holds about this many CTAs per SM
 #: Grouped-query decode runs on the tensor cores (paged_prefill.cu's decode tiling) from this group size up, for
