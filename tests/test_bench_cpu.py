@@ -29,10 +29,10 @@ def bench():
     del sys.modules["bench_decode"]
 
 
-def run_script(*args: str) -> subprocess.CompletedProcess[str]:
+def run_script(*args: str, script: Path = SCRIPT, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60, env=env,
-                          cwd=REPO_ROOT)
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=REPO_ROOT)
 
 
 def test_dry_run_prints_every_case_and_floor(bench):
@@ -174,11 +174,8 @@ def test_json_record(bench, tmp_path):
 def test_compile_time_offline_and_bad_specs():
     """benchmarks/compile_time.py without a GPU: the NVRTC-only mode times a specialisation; a bad --specs exits 2."""
     script = REPO_ROOT / "benchmarks" / "compile_time.py"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, str(script), "--offline", "sm_90", "--specs", "cache-write"],
-                            capture_output=True, text=True, timeout=120, env=env, cwd=REPO_ROOT)
+    result = run_script("--offline", "sm_90", "--specs", "cache-write", script=script, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "reshape_and_cache_bf16_nhd_slot-i32" in result.stdout and " s" in result.stdout
-    bad = subprocess.run([sys.executable, str(script), "--specs", "nope"], capture_output=True, text=True,
-                         timeout=60, env=env, cwd=REPO_ROOT)
+    bad = run_script("--specs", "nope", script=script)
     assert bad.returncode == 2 and "--specs" in bad.stderr

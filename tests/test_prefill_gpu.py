@@ -130,15 +130,17 @@ def test_softmax_reference_moves_lazily_and_exactly(rng, split, dtype):
 
     from cupy_paged_attn.reference import paged_attention_ref
 
+    def climbing(bias):  # the bias plus 0.02 per key and 30 from key 777 on, in the bias's own dtype
+        keys = np.arange(bias.shape[-1])
+        return (bias + (0.02 * keys + 30.0 * (keys >= 777))).astype(bias.dtype)
+
     p = make_prefill_problem(rng, [(900, 900), (1500, 70)], num_heads=4, num_kv_heads=4, head_size=64,
                              dtype=dtype, bias="dense", causal=False)
-    ramp = (0.02 * np.arange(p.attn_bias.shape[-1]) + 30.0 * (np.arange(p.attn_bias.shape[-1]) >= 777))
-    p.attn_bias = (p.attn_bias + ramp).astype(p.attn_bias.dtype)
+    p.attn_bias = climbing(p.attn_bias)
     assert_close(run_cupy(p), paged_prefill_attention_ref(*p.args(), **p.kwargs()), dtype, "prefill")
 
     d = make_problem(rng, [1500, 900, 64], num_heads=16, num_kv_heads=4, head_size=128, dtype=dtype, bias="dense")
-    d.attn_bias = (d.attn_bias + 0.02 * np.arange(d.attn_bias.shape[-1]) +
-                   30.0 * (np.arange(d.attn_bias.shape[-1]) >= 777)).astype(d.attn_bias.dtype)
+    d.attn_bias = climbing(d.attn_bias)
     args = [to_cupy(a) for a in d.args()]
     got = to_numpy(cpa.paged_attention(*args, **{**d.kwargs(), "attn_bias": to_cupy(d.attn_bias)}))
     assert_close(got, paged_attention_ref(*d.args(), **d.kwargs()), dtype, "decode")
