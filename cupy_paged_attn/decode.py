@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import threading
@@ -26,6 +27,10 @@ _CTAS_PER_SM_TARGET = 4  # then split until the grid holds about this many CTAs 
 #: Grouped-query decode runs on the tensor cores (paged_prefill.cu's decode tiling) from this group size up, for
 #: float16 / bfloat16 and head sizes up to 128: its FP32 loop costs ~80 instructions per (token, query head).
 TENSOR_CORE_MIN_GROUP = 2
+#: Launch the split-K reduction with programmatic dependent launch where the device has it (compute capability 9.0
+#: and later): its CTAs start while the attention kernel runs and wait for it in the kernel (``wait_for_primary`` in
+#: common.cuh), which hides the reduction's launch. False launches it after the attention kernel (A/B runs).
+DEPENDENT_REDUCE = True
 
 
 @functools.cache
@@ -162,6 +167,62 @@ def _launch_kernel() -> Any:
     from cupy_backends.cuda.api import driver
 
     return driver.launchKernel
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute`` holding an ``int`` value (the value union is 64 bytes, 8-byte aligned)."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("value_pad", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig``."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_DEPENDENT = _LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
+
+
+@functools.cache
+def _launch_kernel_ex() -> Any:
+    """The driver's ``cuLaunchKernelEx`` (CuPy wraps only ``cuLaunchKernel``), or None without it. Called with
+    ready-made ctypes arguments (no ``argtypes``: nothing is converted per call)."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@functools.cache
+def _has_dependent_launch(device: int) -> bool:
+    import cupy
+
+    return int(cupy.cuda.Device(device).compute_capability) >= 90 and _launch_kernel_ex() is not None
+
+
+class _DependentLaunch:
+    """A kernel launched with programmatic dependent launch after the kernel before it in the stream: function,
+    grid, block, arguments and attribute fixed, one ``cuLaunchKernelEx`` per launch."""
+
+    def __init__(self, function: int, grid: tuple[int, int, int], threads: int, args: _PackedArgs) -> None:
+        self._config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(threads, 1, 1), 0, None,
+                                     ctypes.pointer(_DEPENDENT), 1)
+        self._call = (ctypes.byref(self._config), ctypes.c_void_p(function), ctypes.c_void_p(args.address), None)
+        self._args = args  # keeps the argument slots that the call points at
+
+    def launch(self, stream: int) -> None:
+        self._config.stream = stream
+        status = _launch_kernel_ex()(*self._call)
+        if status != 0:
+            from cupy_backends.cuda.api import driver
+
+            raise driver.CUDADriverError(status)
 
 
 def _kernel_arguments(p: _checks.DecodeProblem, launch: DecodeLaunch) -> list[tuple[str, np.generic]]:
@@ -314,6 +375,10 @@ class DecodePlan:
             self._function, self._reduce_function = kernel.kernel.ptr, reduce_kernel.kernel.ptr
         self._args = _PackedArgs(_kernel_arguments(problem, launch))
         self._reduce_args = _PackedArgs(_reduce_arguments(problem, self._launch))
+        self._dependent_reduce = (_DependentLaunch(self._reduce_function, launch.reduce_grid, launch.reduce_threads,
+                                                   self._reduce_args)
+                                  if DEPENDENT_REDUCE and launch.num_parts > 1 and _has_dependent_launch(device)
+                                  else None)
         self._workspace = None
         self._owns_workspace = own_workspace
         self._out_strides: tuple[int, ...] = ()  # the out strides the packed arguments hold
@@ -459,8 +524,11 @@ class DecodePlan:
         if launch.num_parts > 1:
             if not launch.tensor_cores:
                 self._reduce_args.set_pointer("seq_lens", int(self._args.slots[self._args.index["seq_lens"]]))
-            self._reduce_args.launch(self._reduce_function, launch.reduce_grid, launch.reduce_threads, 0,
-                                     launch_stream.ptr)
+            if self._dependent_reduce is not None:
+                self._dependent_reduce.launch(launch_stream.ptr)
+            else:
+                self._reduce_args.launch(self._reduce_function, launch.reduce_grid, launch.reduce_threads, 0,
+                                         launch_stream.ptr)
         return _interop.finish(self._framework, result)
 
 

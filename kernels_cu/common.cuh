@@ -38,6 +38,20 @@ __host__ __device__ constexpr int pow2_floor(int n) {
 // +infinity (NVRTC has no <cmath> INFINITY).
 __device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
 
+// Programmatic dependent launch (sm_90 and later; no-ops before, and when the launch did not ask for it). An
+// attention kernel lets its split-K reduction launch at once; the reduction waits for the attention kernel's grid
+// to complete, with its writes visible, before it reads them.
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_primary() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Scalar conversion: storage dtype <-> float32 (all arithmetic is float32)
 // ---------------------------------------------------------------------------------------------------------------
@@ -346,14 +360,26 @@ struct T5Bias {
   struct Seq {
     BiasArgs a;  // a copy: registers, never a pointer into the CTA's locals
     int far;
+    // One query row of the FP32 decode kernel, whose keys are all at or before the query (j <= p). The weight of
+    // the far keys is read once: a far key (most of a long sequence) costs a compare and no load.
     struct Row {
-      BiasArgs a;
-      int far, h, p;
-      __device__ __forceinline__ Raw load(int j) const { return load_at(a, far, h, p, j); }
+      const void* ptr;
+      const int* index;
+      long long bucket_stride, head_at;  // the table's bucket stride, head h's offset
+      int dtype, n, p;
+      Raw far_bits;
+      __device__ __forceinline__ Raw load(int j) const {
+        const int distance = p - j;
+        return distance >= n ? far_bits : load_bias_bits(ptr, __ldg(index + distance) * bucket_stride + head_at, dtype);
+      }
     };
     __device__ __forceinline__ int limit(int len) const { return len; }
     __device__ __forceinline__ Raw load(int h, int, int p, int j) const { return load_at(a, far, h, p, j); }
-    __device__ __forceinline__ Row row(int h, int, int p) const { return {a, far, h, p}; }
+    __device__ __forceinline__ Row row(int h, int, int p) const {
+      const long long head_at = h * a.stride[1];
+      return {a.ptr, a.index, a.stride[0], head_at, a.dtype, a.n, p,
+              load_bias_bits(a.ptr, far * a.stride[0] + head_at, a.dtype)};
+    }
   };
   static __device__ __forceinline__ T5Bias make(const BiasArgs& args) { return {args}; }
   __device__ __forceinline__ Seq seq(int) const { return {a, __ldg(a.index + a.n)}; }

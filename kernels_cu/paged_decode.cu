@@ -94,8 +94,9 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
   using Cache = PagedCache<T, HEAD, LAYOUT>;
   constexpr int VEC = L::VEC, NVEC = L::NVEC, TX = L::TX, VPL = L::VPL, TZ = L::TZ, TILE = L::TILE;
   constexpr int TPT = L::TPT, KPL = L::KPL, kAhead = kStages - 1;
+  launch_dependents();  // the split-K reduction may start (it waits for this grid before reading)
 
-  extern __shared__ uint4 stage_s[];  // [kStages][K, V][TILE][NVEC]; then the epilogue's [TZ][HG][HEAD + 2]
+  extern __shared__ uint4 stage_s[];  // [kStages][K, V][TILE][NVEC]; then the epilogue's [TZW][HG][HEAD + 2]
 
   const int num_chunks = (group_size + HG - 1) / HG;
   const int s = static_cast<int>(blockIdx.x) / (num_kv_heads * num_chunks);
@@ -138,7 +139,7 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
       q[v][e] = head_used && c < NVEC ? scale * to_float(query[s * q_stride_s + h * q_stride_h + c * VEC + e]) : 0.0f;
     }
   const float slope = alibi_slopes != nullptr && head_used ? alibi_slopes[h] : 0.0f;
-  const typename Bias::Seq::Row bias_row = seq_bias.row(h, 0, len - 1);  // this thread's head's bias
+  typename Bias::Seq::Row bias_row;  // this thread's head's bias, set once the first copies are issued
 
   // ---- Prefetch rings, one slot per stage (a tile's slot is its index mod kStages).
   int cblk_r[kStages][kVecsPerThread];      // copy side: block id of each vector this thread copies
@@ -166,7 +167,7 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
       if (k < TPT && j < fetch_end) xblk_r[st][i] = table[j >> block_shift];
     }
   };
-  // Tile t0 into slot st: its keys and values into shared memory (one cp.async group), its bias into bias_r.
+  // Tile t0 into slot st: its keys and values into shared memory (one cp.async group).
   auto issue = [&](int st, int t0) {
 #pragma unroll
     for (int k = 0; k < kVecsPerThread; ++k) {
@@ -188,6 +189,11 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
       }
     }
     cp_async_commit();
+  };
+  // Tile t0's bias (and key flags) into slot st. Apart from issue so that the prologue issues both tiles' copies
+  // before either tile's bias: a T5 bias near the query is a chain of two loads (bucket, weight) that would hold
+  // back the second tile's copies.
+  auto issue_bias = [&](int st, int t0) {
 #pragma unroll
     for (int i = 0; i < KPL; ++i) {
       const int k = tx + i * TX;
@@ -213,6 +219,11 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
   for (int t = 0; t < kAhead; ++t) fetch_ids(t, start + t * TILE);
 #pragma unroll
   for (int t = 0; t < kAhead; ++t) issue(t, start + t * TILE);
+  // Made here, not above: a T5 row loads its far keys' weight at a bucket that is itself a load, and the thread
+  // would wait for the bucket before issuing the copies.
+  bias_row = seq_bias.row(h, 0, len - 1);
+#pragma unroll
+  for (int t = 0; t < kAhead; ++t) issue_bias(t, start + t * TILE);
 #pragma unroll
   for (int t = kAhead; t < 2 * kAhead; ++t) fetch_ids(t % kStages, start + t * TILE);
 
@@ -226,6 +237,7 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
       // the copies issued next overwrite.
       __syncthreads();
       issue((st + kAhead) % kStages, t0 + kAhead * TILE);
+      issue_bias((st + kAhead) % kStages, t0 + kAhead * TILE);
       fetch_ids((st + 2 * kAhead) % kStages, t0 + 2 * kAhead * TILE);
 
       // ---- Logits x_k = <scale·q, k_j> + alibi·(j − len + 1) + bias(j) (−inf for a token that is no key). The
@@ -289,36 +301,63 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
 
   // ---- Epilogue: combine the TZ token slots of each head, as the split-K reduction combines partitions:
   //   M = max_z m_z,  w_z = exp(m_z − M),  L = Σ_z w_z·l_z,  o = Σ_z w_z·acc_z.
+  // First across the slots of a warp by shuffles (the lane bits above TX·HG are tz), then across the warps'
+  // TZW partial results in shared memory: a few dependent steps, not a loop over the TZ slots (which was most of
+  // the CTA's time in the latency case, where a CTA sees only two tiles).
+  constexpr int kSlotLanes = TX * HG;  // lanes of one token slot, all heads
+  constexpr int kSlotsPerWarp = kSlotLanes < kWarpSize ? kWarpSize / kSlotLanes : 1;
+  constexpr int TZW = TZ / kSlotsPerWarp;  // slots left after the warp step: one per warp, or TZ (< 8) if fewer
   cp_async_wait<0>();  // copies issued past the end still write zeros into the stages
   __syncthreads();     // every thread is done with the stages before the epilogue overwrites them
-  float* acc_s = reinterpret_cast<float*>(stage_s);  // [TZ][HG][HEAD]
-  float* ml_s = acc_s + TZ * HG * HEAD;              // [TZ][HG][2]
+  float* acc_s = reinterpret_cast<float*>(stage_s);  // [TZW][HG][HEAD]
+  float* ml_s = acc_s + TZW * HG * HEAD;             // [TZW][HG][2]
+  const int zw = tz / kSlotsPerWarp;
+  const bool writer = tz % kSlotsPerWarp == 0;  // this lane holds its warp's combined slot
+  float big_m = m;
 #pragma unroll
-  for (int v = 0; v < VPL; ++v) {
-    const int c = tx + v * TX;
-    if (c < NVEC) {
+  for (int o = kSlotLanes; o < kWarpSize; o *= 2) big_m = fmaxf(big_m, __shfl_xor_sync(0xffffffffu, big_m, o));
+  if (writer && tx == 0) ml_s[(zw * HG + ty) * 2] = big_m;
+  __syncthreads();  // every warp's max is in shared memory
+  big_m = -inf();
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) acc_s[(tz * HG + ty) * HEAD + c * VEC + e] = acc[v][e];
+  for (int z = 0; z < TZW; ++z) big_m = fmaxf(big_m, ml_s[(z * HG + ty) * 2]);
+  const float w = m == -inf() ? 0.0f : __expf(m - big_m);  // an empty slot (no key) weighs nothing
+  float lw = w * l;
+#pragma unroll
+  for (int v = 0; v < VPL; ++v)
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) acc[v][e] *= w;
+#pragma unroll
+  for (int o = kSlotLanes; o < kWarpSize; o *= 2) {
+    lw += __shfl_xor_sync(0xffffffffu, lw, o);
+#pragma unroll
+    for (int v = 0; v < VPL; ++v)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[v][e] += __shfl_xor_sync(0xffffffffu, acc[v][e], o);
+  }
+  if (writer) {
+#pragma unroll
+    for (int v = 0; v < VPL; ++v) {
+      const int c = tx + v * TX;
+      if (c < NVEC) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc_s[(zw * HG + ty) * HEAD + c * VEC + e] = acc[v][e];
+      }
     }
+    if (tx == 0) ml_s[(zw * HG + ty) * 2 + 1] = lw;
   }
-  if (tx == 0) {
-    ml_s[(tz * HG + ty) * 2] = m;
-    ml_s[(tz * HG + ty) * 2 + 1] = l;
-  }
-  __syncthreads();  // every slot's (m, l, acc) is in shared memory
+  __syncthreads();  // every warp's weighted (l, acc) is in shared memory
   for (int i = tid; i < nh * HEAD; i += kDecodeThreads) {
     const int g = i / HEAD;
     const int d = i % HEAD;
-    float big_m = -inf();
-    for (int z = 0; z < TZ; ++z) big_m = fmaxf(big_m, ml_s[(z * HG + g) * 2]);
+    float head_m = -inf();
     float big_l = 0.0f;
     float o = 0.0f;
-    if (big_m != -inf()) {
-      for (int z = 0; z < TZ; ++z) {
-        const float w = __expf(ml_s[(z * HG + g) * 2] - big_m);
-        big_l += w * ml_s[(z * HG + g) * 2 + 1];
-        o += w * acc_s[(z * HG + g) * HEAD + d];
-      }
+#pragma unroll
+    for (int z = 0; z < TZW; ++z) {
+      head_m = fmaxf(head_m, ml_s[(z * HG + g) * 2]);
+      big_l += ml_s[(z * HG + g) * 2 + 1];
+      o += acc_s[(z * HG + g) * HEAD + d];
     }
     const int hh = head0 + g;
     if (num_parts == 1) {
@@ -327,7 +366,7 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
       const long long at = (static_cast<long long>(s) * (num_kv_heads * group_size) + hh) * num_parts + part;
       part_acc[at * HEAD + d] = o;
       if (d == 0) {
-        part_ml[at * 2] = big_m;
+        part_ml[at * 2] = head_m;
         part_ml[at * 2 + 1] = big_l;
       }
     }
@@ -337,33 +376,73 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
 // ---------------------------------------------------------------------------------------------------------------
 // Split-K reduction: for each (sequence, head), combine the partitions that hold keys:
 //   M = max_p m_p,  w_p = exp(m_p − M),  out = Σ_p w_p·acc_p / Σ_p w_p·l_p   (zeros when no key contributes).
+// A CTA per (sequence, head): LANES threads per partition, each a float4 of acc, PG partitions side by side, each
+// thread an online combine over its partitions p = g, g + PG, ... Every load is issued before any is needed
+// (partitions past seq_lens[s]'s last are loaded and then ignored, so the loads need not wait for seq_lens), then
+// the PG groups combine in shared memory. Launched with programmatic dependent launch where the device has it:
+// the CTAs start while the attention kernel runs and wait for it only before reading its partials.
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T, int HEAD>
 __global__ void __launch_bounds__(kReduceThreads) paged_decode_reduce(
     T* __restrict__ out, long long out_stride_s, long long out_stride_h,
     const float* __restrict__ part_acc, const float* __restrict__ part_ml,
     const int* __restrict__ seq_lens, int max_len, int num_heads, int tokens_per_part, int num_parts) {
+  static_assert(HEAD % 4 == 0 && HEAD / 4 <= kReduceThreads, "a partition's acc is whole float4s, one per thread");
+  constexpr int LANES = HEAD / 4;
+  constexpr int PG = kReduceThreads / LANES;
+  __shared__ float4 acc_s[PG][LANES];
+  __shared__ float2 ml_s[PG];
   const int s = blockIdx.x;
   const int h = blockIdx.y;
-  const int len = clamped_len(seq_lens, s, max_len);
+  const int lane = static_cast<int>(threadIdx.x) % LANES;
+  const int g = static_cast<int>(threadIdx.x) / LANES;
+  const int len = clamped_len(seq_lens, s, max_len);  // an input: read before the attention kernel ends
+  wait_for_primary();  // the attention kernel's partials are complete and visible
   const int used = min(num_parts, (len + tokens_per_part - 1) / tokens_per_part);
   const long long slot0 = (static_cast<long long>(s) * num_heads + h) * num_parts;
+  const float4* acc4 = reinterpret_cast<const float4*>(part_acc);
+  const float2* ml2 = reinterpret_cast<const float2*>(part_ml);
 
-  float big_m = -inf();
-  for (int p = 0; p < used; ++p) big_m = fmaxf(big_m, part_ml[(slot0 + p) * 2]);
-  float big_l = 0.0f;
-  for (int p = 0; p < used; ++p) {
-    const float mp = part_ml[(slot0 + p) * 2];
-    if (mp != -inf()) big_l += __expf(mp - big_m) * part_ml[(slot0 + p) * 2 + 1];
-  }
-  for (int d = threadIdx.x; d < HEAD; d += kReduceThreads) {
-    float o = 0.0f;
-    for (int p = 0; p < used; ++p) {
-      const float mp = part_ml[(slot0 + p) * 2];
-      if (mp != -inf()) o += __expf(mp - big_m) * part_acc[(slot0 + p) * HEAD + d];
+  float m = -inf();
+  float l = 0.0f;
+  float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (g < PG) {
+#pragma unroll 4
+    for (int p = g; p < num_parts; p += PG) {
+      const float2 ml = ml2[slot0 + p];
+      const float4 a = acc4[(slot0 + p) * LANES + lane];
+      if (p < used && ml.x != -inf()) {  // a partition past the sequence's keys holds nothing written
+        const float m_new = fmaxf(m, ml.x);
+        const float alpha = __expf(m - m_new);  // 0 while m = −inf
+        const float w = __expf(ml.x - m_new);
+        l = l * alpha + w * ml.y;
+        o = make_float4(o.x * alpha + w * a.x, o.y * alpha + w * a.y, o.z * alpha + w * a.z, o.w * alpha + w * a.w);
+        m = m_new;
+      }
     }
-    out[s * out_stride_s + h * out_stride_h + d] = from_float<T>(big_l > 0.0f ? o / big_l : 0.0f);
+    acc_s[g][lane] = o;
+    if (lane == 0) ml_s[g] = make_float2(m, l);
   }
+  __syncthreads();
+  if (g != 0) return;
+  float big_m = -inf();
+#pragma unroll
+  for (int q = 0; q < PG; ++q) big_m = fmaxf(big_m, ml_s[q].x);
+  float big_l = 0.0f;
+  o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+  for (int q = 0; q < PG; ++q) {
+    const float w = ml_s[q].x == -inf() ? 0.0f : __expf(ml_s[q].x - big_m);
+    const float4 a = acc_s[q][lane];
+    big_l += w * ml_s[q].y;
+    o = make_float4(o.x + w * a.x, o.y + w * a.y, o.z + w * a.z, o.w + w * a.w);
+  }
+  const float inv = big_l > 0.0f ? 1.0f / big_l : 0.0f;
+  T* dst = out + s * out_stride_s + h * out_stride_h + lane * 4;
+  dst[0] = from_float<T>(o.x * inv);
+  dst[1] = from_float<T>(o.y * inv);
+  dst[2] = from_float<T>(o.z * inv);
+  dst[3] = from_float<T>(o.w * inv);
 }
 
 }  // namespace cpa

@@ -229,6 +229,8 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
   constexpr int NT_S = L::NT_S, NT_O = L::NT_O, COPIES = L::COPIES, MT = L::MT, NR = 2 * L::MT;
   constexpr int ROWS = L::ROWS, STAGES = L::STAGES, PAGE_BUFFERS = L::PAGE_BUFFERS, REL_TABLE = L::REL_TABLE;
   constexpr bool kT5 = SameType<Bias, T5Bias>::value;
+  // No launch_dependents() here: the decode tiling's reduction is launched as a dependent all the same (it then starts
+  // as this grid ends), and the call, even at the top, changed this kernel's whole schedule (prefill d128 ~5 % slower).
 
   extern __shared__ uint4 smem[];
   uint4* q_s = smem;                                   // [ROWS][ROW]
@@ -464,8 +466,10 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
   constexpr bool kBiasAhead = kBiasLoads && L::kDecode;
   using BiasFrag = typename Bias::Raw[MT][NT_S][4];
   typename Bias::Seq::Row bias_rows[NR];
+  if constexpr (kBiasLoads) {
 #pragma unroll
-  for (int hf = 0; hf < NR; ++hf) bias_rows[hf] = seq_bias.row(row_h[hf], row_i[hf], row_p[hf]);
+    for (int hf = 0; hf < NR; ++hf) bias_rows[hf] = seq_bias.row(row_h[hf], row_i[hf], row_p[hf]);
+  }
   auto load_bias = [&](BiasFrag& raw, int t0) {
     if constexpr (kBiasLoads) {
       const int j0 = t0 + key0 + 2 * qc;
@@ -986,6 +990,7 @@ __global__ void __launch_bounds__(kPrefillReduceThreads) paged_prefill_reduce(
   const int m0 = cta.tile * ROWS;
   const int rows = min(cta.q_len * G - m0, ROWS);
   const int num_heads = num_kv_heads * G;
+  wait_for_primary();  // decode launches this reduction early: the attention kernel's partials are now complete
   const long long part_stride = static_cast<long long>(total_q) * num_heads;
   for (int idx = blockIdx.z * kPrefillReduceThreads + threadIdx.x; idx < rows * HEAD;
        idx += gridDim.z * kPrefillReduceThreads) {

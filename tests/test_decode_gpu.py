@@ -370,14 +370,19 @@ def test_plan_runs_like_paged_attention(rng, split, framework, bias):
         assert_close(to_numpy(out), expected, "bf16", "out=")
 
 
+@pytest.mark.parametrize("dependent", [True, False], ids=["dependent-reduce", "plain-reduce"])
 @pytest.mark.parametrize("kernel", ["fp32-loop", "tensor-cores"])
-def test_split_plan_reruns_and_replays(rng, monkeypatch, kernel):
+def test_split_plan_reruns_and_replays(rng, monkeypatch, kernel, dependent):
     """Split-K runs of one plan, eager and as CUDA-graph replays, each on fresh data in the same buffers: the plan's
     workspace is reused by every run, and a sequence shorter than the partitions' span (3 keys) must not pick up a
-    previous run's partials."""
+    previous run's partials. The reduction is launched both ways: with programmatic dependent launch (on devices
+    that have it), where it starts while the attention kernel runs, and after it."""
+    import cupy
+
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(decode, "_num_sms", lambda device: 10**6)
     monkeypatch.setattr(decode, "TENSOR_CORE_MIN_GROUP", 1 if kernel == "tensor-cores" else 10**9)
+    monkeypatch.setattr(decode, "DEPENDENT_REDUCE", dependent)
     shape = dict(num_heads=8, num_kv_heads=2, head_size=64, dtype="bf16", bias="dense", bias_dtype="bf16",
                  alibi=True, spare_blocks=0, extra_table_cols=0)
     lens = [1500, 3, 700]
@@ -385,6 +390,8 @@ def test_split_plan_reruns_and_replays(rng, monkeypatch, kernel):
     args, kwargs = device_args(first, to_torch)
     plan = cpa.DecodePlan(*args, **kwargs)
     assert plan.launch.num_parts > 1 and plan.launch.tensor_cores == (kernel == "tensor-cores")
+    has_dependent_launch = int(cupy.cuda.Device().compute_capability) >= 90
+    assert (plan._dependent_reduce is not None) == (dependent and has_dependent_launch)
     extra = ("attn_bias", "alibi_slopes")
     out = torch.full_like(args[0], float("nan"))
     graph = captured(lambda: plan.run(*args, **{k: kwargs[k] for k in extra}, out=out))
