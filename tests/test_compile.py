@@ -198,3 +198,22 @@ def test_host_mirror_check_catches_a_mismatch():
     wrong = "\nstatic_assert(cpa::PrefillLayout<__half, 64, 4>::kSmemBytes == 1, \"smem mirror\");\n"
     with pytest.raises(RuntimeError, match="smem mirror"):
         _compile.compile_offline("paged_prefill.cu", [], "sm_90", wrong)
+
+
+def test_dependent_launch_structs_match_the_driver_abi():
+    """The ctypes mirrors of cuLaunchKernelEx's structs have cuda.h's layout (CUDA 12 and 13, 64-bit):
+    CUlaunchAttribute is an int id, 4 bytes of padding and a 64-byte value union (72 bytes); CUlaunchConfig is six
+    unsigned dims and the shared-memory size (28 bytes), the stream at 32, the attributes at 40, their count at 48
+    (56 bytes). The prebuilt attribute asks for programmatic stream serialisation (id 6) with the value 1."""
+    import ctypes
+
+    assert ctypes.sizeof(decode._LaunchAttribute) == 72 and decode._LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(decode._LaunchConfig) == 56
+    assert [getattr(decode._LaunchConfig, f).offset for f in ("shared_mem", "stream", "attrs", "num_attrs")] == \
+        [24, 32, 40, 48]
+    assert (decode._DEPENDENT.id, decode._DEPENDENT.value) == (6, 1)
+    launch = decode._DependentLaunch(0x1234, (3, 2, 1), 128, decode._PackedArgs([("n", np.int32(5))]))
+    assert list(launch._config.grid) == [3, 2, 1] and list(launch._config.block) == [128, 1, 1]
+    assert launch._config.num_attrs == 1 and launch._config.attrs.contents.value == 1
+    # Without a driver (this CPU machine) there is no cuLaunchKernelEx, and nothing fails on import or lookup.
+    assert decode._launch_kernel_ex() is None or callable(decode._launch_kernel_ex())
