@@ -276,8 +276,7 @@ def _reduce_arguments(p: _checks.DecodeProblem, launch: DecodeLaunch) -> list[tu
         rest = [("query_start_loc", null), ("total_q", i32(p.num_seqs)), ("tile_info", null),
                 ("num_kv_heads", i32(p.num_kv_heads)), ("group_size", i32(p.group_size))]
     else:
-        rest = [("seq_lens", null), ("max_len", i32(p.max_len)), ("num_heads", i32(p.num_heads)),
-                ("tokens_per_part", i32(launch.tokens_per_part))]
+        rest = [("num_heads", i32(p.num_heads))]
     return [*_out_arguments(), *rest, ("num_parts", i32(launch.num_parts))]
 
 
@@ -522,8 +521,6 @@ class DecodePlan:
         launch = self._launch
         self._args.launch(self._function, launch.grid, launch.threads, launch.shared_mem, launch_stream.ptr)
         if launch.num_parts > 1:
-            if not launch.tensor_cores:
-                self._reduce_args.set_pointer("seq_lens", int(self._args.slots[self._args.index["seq_lens"]]))
             if self._dependent_reduce is not None:
                 self._dependent_reduce.launch(launch_stream.ptr)
             else:

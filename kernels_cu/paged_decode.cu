@@ -376,17 +376,17 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
 // ---------------------------------------------------------------------------------------------------------------
 // Split-K reduction: for each (sequence, head), combine the partitions that hold keys:
 //   M = max_p m_p,  w_p = exp(m_p − M),  out = Σ_p w_p·acc_p / Σ_p w_p·l_p   (zeros when no key contributes).
+// Every partition's CTA writes its (acc, m, l), an empty one (no key: past seq_lens[s]) m = −inf, so the reduction,
+// like paged_prefill_reduce, needs no seq_lens: a partition with m = −inf weighs nothing.
 // A CTA per (sequence, head): LANES threads per partition, each a float4 of acc, PG partitions side by side, each
-// thread an online combine over its partitions p = g, g + PG, ... Every load is issued before any is needed
-// (partitions past seq_lens[s]'s last are loaded and then ignored, so the loads need not wait for seq_lens), then
+// thread an online combine over its partitions p = g, g + PG, ..., every load issued before any is needed; then
 // the PG groups combine in shared memory. Launched with programmatic dependent launch where the device has it:
 // the CTAs start while the attention kernel runs and wait for it only before reading its partials.
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T, int HEAD>
 __global__ void __launch_bounds__(kReduceThreads) paged_decode_reduce(
     T* __restrict__ out, long long out_stride_s, long long out_stride_h,
-    const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-    const int* __restrict__ seq_lens, int max_len, int num_heads, int tokens_per_part, int num_parts) {
+    const float* __restrict__ part_acc, const float* __restrict__ part_ml, int num_heads, int num_parts) {
   static_assert(HEAD % 4 == 0 && HEAD / 4 <= kReduceThreads, "a partition's acc is whole float4s, one per thread");
   constexpr int LANES = HEAD / 4;
   constexpr int PG = kReduceThreads / LANES;
@@ -396,9 +396,7 @@ __global__ void __launch_bounds__(kReduceThreads) paged_decode_reduce(
   const int h = blockIdx.y;
   const int lane = static_cast<int>(threadIdx.x) % LANES;
   const int g = static_cast<int>(threadIdx.x) / LANES;
-  const int len = clamped_len(seq_lens, s, max_len);  // an input: read before the attention kernel ends
   wait_for_primary();  // the attention kernel's partials are complete and visible
-  const int used = min(num_parts, (len + tokens_per_part - 1) / tokens_per_part);
   const long long slot0 = (static_cast<long long>(s) * num_heads + h) * num_parts;
   const float4* acc4 = reinterpret_cast<const float4*>(part_acc);
   const float2* ml2 = reinterpret_cast<const float2*>(part_ml);
@@ -411,7 +409,7 @@ __global__ void __launch_bounds__(kReduceThreads) paged_decode_reduce(
     for (int p = g; p < num_parts; p += PG) {
       const float2 ml = ml2[slot0 + p];
       const float4 a = acc4[(slot0 + p) * LANES + lane];
-      if (p < used && ml.x != -inf()) {  // a partition past the sequence's keys holds nothing written
+      if (ml.x != -inf()) {  // an empty partition (no key) weighs nothing
         const float m_new = fmaxf(m, ml.x);
         const float alpha = __expf(m - m_new);  // 0 while m = −inf
         const float w = __expf(ml.x - m_new);
