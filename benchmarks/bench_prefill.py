@@ -6,9 +6,10 @@ against the two things a PyTorch user has without a paged kernel:
 * ``flex``: gather K/V, then ``torch.compile(flex_attention)`` with a T5 ``score_mod`` (bucket and table lookups)
   and, when causal, a causal block mask.
 
-``ours w/o bias`` is the same call without the bias (what the bias costs). Times are CUDA-event medians of
-``--reps`` runs of 5 back-to-back calls, after warm-ups (each peer's time includes its gather). TFLOP/s count
-4·B·H·d per (query, key) pair that the mask keeps (about half of them when causal). Usage:
+``ours w/o bias`` is the same call without the bias (what the bias costs); ``ours mma.sync`` the same call on
+the tensor-core kernel's mma.sync tiling (what GPUs other than H100 / H200 run), where the Hopper tiling applies.
+Times are CUDA-event medians of ``--reps`` runs of 5 back-to-back calls, after warm-ups (each peer's time includes
+its gather). TFLOP/s count 4·B·H·d per (query, key) pair that the mask keeps (about half of them when causal). Usage:
 ``PYTHONPATH=. python benchmarks/bench_prefill.py [--reps 20] [--quick]``.
 """
 
@@ -88,6 +89,7 @@ def bench_case(data, b: int, length: int, h: int, d: int, causal: bool, reps: in
     import torch
 
     import cupy_paged_attn as cpa
+    from cupy_paged_attn import prefill
     from cupy_paged_attn.prefill import paged_prefill_attention
 
     query, k_cache, v_cache, tables, seq_lens, starts, table = data
@@ -106,6 +108,13 @@ def bench_case(data, b: int, length: int, h: int, d: int, causal: bool, reps: in
     row["ours"] = timed(ours, reps)
     row["ours_plain"] = timed(lambda: ours(bias=None), reps)
     print(f"{name}: ours {row['ours']:.3f} ms, without bias {row['ours_plain']:.3f} ms", flush=True)
+    if prefill._runs_sm90a(torch.cuda.current_device()):  # the mma.sync tiling, which other GPUs run
+        prefill.WGMMA = False
+        try:
+            row["ours_sync"] = timed(ours, reps)
+        finally:
+            prefill.WGMMA = True
+        print(f"{name}: ours on the mma.sync tiling {row['ours_sync']:.3f} ms", flush=True)
     buckets = t5_bucket_by_rel(length, bidirectional=not causal)
     if not quick:
         try:
@@ -173,17 +182,18 @@ def main() -> None:
             torch.cuda.empty_cache()
 
     print()
-    print(f"| case (bf16, T5 bias) | ours ms | ours TFLOP/s | % of {PEAK_TFLOPS:.0f} | ours w/o bias ms | SDPA+bias ms "
-          "| FlexAttn ms | vs SDPA | vs Flex |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| case (bf16, T5 bias) | ours ms | ours TFLOP/s | % of {PEAK_TFLOPS:.0f} | ours w/o bias ms "
+          "| ours mma.sync ms | SDPA+bias ms | FlexAttn ms | vs SDPA | vs Flex |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         tf = r["flops"] / (r["ours"] * 1e-3) / 1e12
         sd = f"{r['sdpa']:.3f}" if "sdpa" in r else "failed/skipped"
         fx = f"{r['flex']:.3f}" if "flex" in r else "failed/skipped"
         vs_sd = f"{r['sdpa'] / r['ours']:.2f}x" if "sdpa" in r else "-"
         vs_fx = f"{r['flex'] / r['ours']:.2f}x" if "flex" in r else "-"
+        sync = f"{r['ours_sync']:.3f}" if "ours_sync" in r else "-"
         print(f"| {r['case']} | {r['ours']:.3f} | {tf:.0f} | {100 * tf / PEAK_TFLOPS:.1f} % | {r['ours_plain']:.3f} "
-              f"| {sd} | {fx} | {vs_sd} | {vs_fx} |")
+              f"| {sync} | {sd} | {fx} | {vs_sd} | {vs_fx} |")
     sys.stdout.flush()
 
 

@@ -137,13 +137,14 @@ def _compile_error(key: str, log: str) -> RuntimeError:
 
 
 @functools.cache
-def _module(filename: str, key: str, names: tuple[str, ...], device_id: int) -> Any:
+def _module(filename: str, key: str, names: tuple[str, ...], device_id: int,
+            options: tuple[str, ...] = _COMPILE_OPTIONS) -> Any:
     import cupy
 
     _log.info("compiling %s for device %d", key, device_id)
     try:
         with cupy.cuda.Device(device_id):
-            module = cupy.RawModule(code=kernel_source(filename), options=_COMPILE_OPTIONS, name_expressions=names)
+            module = cupy.RawModule(code=kernel_source(filename), options=options, name_expressions=names)
             module.compile()
     except cupy.cuda.compiler.CompileException as exc:
         raise _compile_error(key, exc.get_message()) from exc
@@ -217,6 +218,12 @@ PREFILL_KEY_WARPS = 1
 DECODE_KEY_WARPS = 4
 #: Head sizes the decode tiling of the tensor-core kernel takes (a warp needs 16 keys of a 64-key tile).
 DECODE_MMA_HEAD_SIZES = tuple(d for d in HEAD_SIZES if d <= 128)
+#: The Hopper tiling of the prefill kernel (wgmma, sm_90a code: devices of compute capability 9.0 exactly): head
+#: sizes, threads (two warpgroups), packed rows per CTA (64 per warpgroup) and keys per tile.
+WGMMA_HEAD_SIZES = (64, 128)
+WGMMA_THREADS = 256
+_WGMMA_ROWS = 128
+_WGMMA_TILE_KEYS = 64
 
 
 def _padded_head(head_size: int) -> int:
@@ -224,8 +231,10 @@ def _padded_head(head_size: int) -> int:
     return -(-head_size // 16) * 16
 
 
-def prefill_tile_keys(head_size: int, key_warps: int = PREFILL_KEY_WARPS) -> int:
+def prefill_tile_keys(head_size: int, key_warps: int = PREFILL_KEY_WARPS, wgmma: bool = False) -> int:
     """Keys per K/V tile of the tensor-core kernel (PrefillLayout::TILE_N); every partition is a multiple."""
+    if wgmma:
+        return _WGMMA_TILE_KEYS
     two_m_tiles = prefill_m_tiles(head_size, key_warps) == 2
     return 32 if head_size > 128 or (two_m_tiles and _padded_head(head_size) > 64) else 64
 
@@ -255,47 +264,70 @@ def reduce_chunks(rows: int, head_size: int) -> int:
     return -(-rows * head_size // PREFILL_REDUCE_THREADS)
 
 
-def prefill_smem_bytes(dtype: str, head_size: int, key_warps: int = PREFILL_KEY_WARPS) -> int:
+def prefill_smem_bytes(dtype: str, head_size: int, key_warps: int = PREFILL_KEY_WARPS, wgmma: bool = False) -> int:
     """Dynamic shared memory of one tensor-core CTA (PrefillLayout::kSmemBytes; 0 for the float32 SIMT kernel)."""
     if dtype == "f32":
         return 0
-    row = _padded_head(head_size) // 8 + 1  # 16-byte vectors per padded row
-    tile = prefill_tile_keys(head_size, key_warps)
-    rows = rows_per_cta(head_size, key_warps)
+    row = _padded_head(head_size) // 8 + (0 if wgmma else 1)  # 16-byte vectors per (padded) row
+    tile = prefill_tile_keys(head_size, key_warps, wgmma)
+    rows = _WGMMA_ROWS if wgmma else rows_per_cta(head_size, key_warps)
     decode = key_warps > 1
     stages = 3 if decode else _PREFILL_STAGES
     rel_table = 0 if decode else _PREFILL_REL_TABLE
-    return (rows * row * 16 + stages * 2 * tile * row * 16 + (stages + 1) * tile * 8
-            + (rel_table + 2 * rows) * 4)
+    stages = 3 if wgmma else stages
+    ahead = 1 if wgmma else stages - 1  # tiles in flight while one computes (PrefillLayout::AHEAD)
+    align = 1024 if wgmma else 0  # Q and the stages start on the 128-byte swizzle's period
+    return (rows * row * 16 + stages * 2 * tile * row * 16 + (ahead + 2) * tile * 8
+            + (rel_table + 2 * rows) * 4 + align)
 
 
 @dataclass(frozen=True)
 class PrefillSpec:
     """Compile-time choices of one tensor-core (or float32 SIMT) kernel of paged_prefill.cu; causal, ALiBi, page
-    size and bias dtype are run-time. ``key_warps`` 4 is the decode tiling (16-bit, head sizes up to 128)."""
+    size and bias dtype are run-time. ``key_warps`` 4 is the decode tiling (16-bit, head sizes up to 128);
+    ``wgmma`` the Hopper tiling of prefill (16-bit, WGMMA_HEAD_SIZES, sm_90a code)."""
 
     dtype: str  # "f32" (SIMT kernel) | "f16" | "bf16" (tensor cores)
     head_size: int
     layout: str  # "nhd" | "vllm"
     bias: str  # one of PREFILL_BIAS_MODES; "ragged" too with the decode tiling
     key_warps: int = PREFILL_KEY_WARPS
+    wgmma: bool = False
 
     @property
     def key(self) -> str:
-        tiling = "" if self.key_warps == PREFILL_KEY_WARPS else "_decode"
+        tiling = "_wgmma" if self.wgmma else "" if self.key_warps == PREFILL_KEY_WARPS else "_decode"
         return f"paged_prefill_{self.dtype}_d{self.head_size}_{self.layout}_bias-{self.bias}{tiling}"
+
+    @property
+    def threads(self) -> int:
+        """Threads of one attention CTA."""
+        return WGMMA_THREADS if self.wgmma else PREFILL_THREADS
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """NVRTC options (the Hopper tiling needs sm_90a's wgmma; CuPy adds the device's -arch=sm_90 too)."""
+        return (*_COMPILE_OPTIONS, "-arch=sm_90a") if self.wgmma else _COMPILE_OPTIONS
+
+    def offline_arch(self, arch: str) -> str | None:
+        """The architecture to compile this spec for when checking ``arch`` without a GPU; None: not built there."""
+        if not self.wgmma:
+            return arch
+        return "sm_90a" if arch == "sm_90" else None
 
     def name_expressions(self) -> tuple[str, str, str]:
         """The attention kernel, its split-K reduction and the tile plan, as NVRTC name expressions."""
         t = CUDA_TYPES[self.dtype]
         args = f"{t}, {self.head_size}, {_CUDA_LAYOUT[self.layout]}, {_CUDA_BIAS[self.bias]}"
+        wg = "true" if self.wgmma else "false"
         main = f"cpa::paged_prefill_simt<{args}>" if self.dtype == "f32" else \
-            f"cpa::paged_prefill<{args}, {self.key_warps}>"
+            f"cpa::paged_prefill<{args}, {self.key_warps}, {wg}>"
         return main, f"cpa::paged_prefill_reduce<{t}, {self.head_size}, {self.key_warps}>", "cpa::paged_prefill_plan"
 
 
 def all_prefill_specs() -> list[PrefillSpec]:
-    """Every specialisation of paged_prefill.cu the library can launch: prefill's, then decode's tensor-core ones."""
+    """Every specialisation of paged_prefill.cu the library can launch: prefill's, decode's tensor-core ones, then
+    prefill's Hopper ones."""
     prefill = [
         PrefillSpec(dt, d, lay, bias)
         for dt in CUDA_TYPES
@@ -310,7 +342,14 @@ def all_prefill_specs() -> list[PrefillSpec]:
         for lay in KV_LAYOUTS
         for bias in BIAS_MODES
     ]
-    return prefill + decode
+    hopper = [
+        PrefillSpec(dt, d, lay, bias, wgmma=True)
+        for dt in ("f16", "bf16")
+        for d in WGMMA_HEAD_SIZES
+        for lay in KV_LAYOUTS
+        for bias in PREFILL_BIAS_MODES
+    ]
+    return prefill + decode + hopper
 
 
 @functools.cache
@@ -318,9 +357,9 @@ def get_prefill_kernels(spec: PrefillSpec, device_id: int) -> tuple[Any, Any, An
     """The compiled ``(paged_prefill, paged_prefill_reduce, paged_prefill_plan)`` of ``spec`` on ``device_id``,
     the first allowed its dynamic shared memory (past the default 48 KB, CUDA wants it said)."""
     names = spec.name_expressions()
-    module = _module("paged_prefill.cu", spec.key, names, device_id)
+    module = _module("paged_prefill.cu", spec.key, names, device_id, spec.options)
     kernel = module.get_function(names[0])
-    smem = prefill_smem_bytes(spec.dtype, spec.head_size, spec.key_warps)
+    smem = prefill_smem_bytes(spec.dtype, spec.head_size, spec.key_warps, spec.wgmma)
     if smem:
         kernel.max_dynamic_shared_size_bytes = smem
     return kernel, module.get_function(names[1]), module.get_function(names[2])

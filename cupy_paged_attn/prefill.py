@@ -4,6 +4,7 @@ cache, with a bias, on the tensor cores."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,10 @@ from . import _checks, _compile, _interop, reference
 from .decode import _num_sms, split_keys
 
 __all__ = ["paged_prefill_attention"]
+
+#: Run the Hopper tiling of the tensor-core kernel (wgmma; float16 / bfloat16, head sizes 64 and 128, devices of
+#: compute capability 9.0) where it applies. False keeps every call on the mma.sync tiling (A/B runs, tests).
+WGMMA = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,24 +30,34 @@ class PrefillLaunch:
     num_parts: int
 
 
-def plan_prefill(problem: _checks.PrefillProblem, num_sms: int) -> PrefillLaunch:
+def plan_prefill(problem: _checks.PrefillProblem, num_sms: int, wgmma: bool = False) -> PrefillLaunch:
     """Choose the kernel, the number of M tiles and the split, from shapes only (no device data is read).
 
     Sequence ``s`` needs ``ceil(q_len_s · G / rows)`` tiles of ``rows`` packed (token, head) rows (128 on the tensor
     cores up to head size 128, else 64); over all sequences that is at most ``ceil(total_q · G / rows) +
     num_seqs``, the grid's x. The device-side plan kernel maps tiles to sequences; spare tiles exit at once. When
     the tiles that surely hold rows cannot fill the GPU, the keys are split into partitions (a multiple of the
-    kernel's key tile), combined by the reduction kernel.
+    kernel's key tile), combined by the reduction kernel. ``wgmma``: the device runs sm_90a code (the Hopper
+    tiling is then used where it applies: 16-bit dtypes, head sizes 64 and 128; same rows per CTA).
     """
     p = problem
     g = p.group_size
+    wgmma = wgmma and p.dtype != "f32" and p.head_size in _compile.WGMMA_HEAD_SIZES
     rows = _compile.prefill_rows_per_cta(p.dtype, p.head_size)
     full_tiles = -(-p.total_q * g // rows)
     num_tiles = full_tiles + p.num_seqs
     tokens_per_part, parts = split_keys(max(1, full_tiles * p.num_kv_heads), p.max_len, num_sms,
-                                        _compile.prefill_tile_keys(p.head_size))
-    spec = _compile.PrefillSpec(p.dtype, p.head_size, p.kv_layout, p.bias.mode)
+                                        _compile.prefill_tile_keys(p.head_size, wgmma=wgmma))
+    spec = _compile.PrefillSpec(p.dtype, p.head_size, p.kv_layout, p.bias.mode, wgmma=wgmma)
     return PrefillLaunch(spec, rows, num_tiles, tokens_per_part, parts)
+
+
+@functools.cache
+def _runs_sm90a(device: int) -> bool:
+    """Whether ``device`` runs sm_90a code (wgmma): compute capability 9.0 exactly (H100, H200)."""
+    import cupy
+
+    return int(cupy.cuda.Device(device).compute_capability) == 90
 
 
 def _launch(problem: _checks.PrefillProblem, launch: PrefillLaunch, out: Any, tile_info: Any,
@@ -75,7 +90,7 @@ def _launch(problem: _checks.PrefillProblem, launch: PrefillLaunch, out: Any, ti
     )
     grid = (launch.num_tiles, p.num_kv_heads, launch.num_parts)
     kernel(
-        grid, (_compile.PREFILL_THREADS,),
+        grid, (launch.spec.threads,),
         (
             ptr(out), i64(out_strides[0]), i64(out_strides[1]), part_acc, part_ml,
             ptr(q), i64(q_strides[0]), i64(q_strides[1]), i32(q_vec), starts, i32(p.total_q), tiles,
@@ -87,7 +102,7 @@ def _launch(problem: _checks.PrefillProblem, launch: PrefillLaunch, out: Any, ti
             i32(launch.num_parts),
         ),
         stream=stream,
-        shared_mem=_compile.prefill_smem_bytes(p.dtype, p.head_size),
+        shared_mem=_compile.prefill_smem_bytes(p.dtype, p.head_size, wgmma=launch.spec.wgmma),
     )
     if launch.num_parts > 1:
         reduce_kernel(
@@ -130,7 +145,8 @@ def paged_prefill_attention(
 
     With ``q_len = 1`` for every sequence this is :func:`paged_attention` (``p = n - 1``). Softmax and
     accumulation run in float32. float16 / bfloat16 run on the tensor cores (``mma.sync``, float32
-    accumulators); float32 runs a simple SIMT kernel (exact float32 math, no TF32; correct, not fast).
+    accumulators; on H100 / H200, head sizes 64 and 128, Hopper's ``wgmma``); float32 runs a simple SIMT kernel
+    (exact float32 math, no TF32; correct, not fast).
 
     Parameters
     ----------
@@ -232,7 +248,7 @@ def paged_prefill_attention(
             )
         if problem.total_q == 0 or problem.num_seqs == 0:
             return _interop.finish(framework, result)
-        launch = plan_prefill(problem, _num_sms(device))
+        launch = plan_prefill(problem, _num_sms(device), WGMMA and _runs_sm90a(device))
         tile_info = _interop.empty(framework, (launch.num_tiles, 2), np.int32, query, launch_stream)[1]
         workspace = None
         if launch.num_parts > 1:

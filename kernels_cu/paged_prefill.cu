@@ -32,11 +32,19 @@
 // cache and ran 2.3x slower. T5 tiles that lie max_distance or more from every row of the CTA add one constant
 // per row (far_s); the others read a table built once per CTA (rel_s).
 //
+// Hopper tiling (WG = true; sm_90a, float16 / bfloat16, head sizes 64 and 128, prefill): 8 warps as two warpgroups of
+// 64 rows (128 rows per CTA, as above), wgmma (wgmma.cuh) instead of mma.sync: S = Q·Kᵀ with Q and the K tile read
+// by the tensor cores from shared memory (128-byte swizzled tiles instead of padded rows), O += P·V with P from
+// registers. A tile's P·V is issued with the next tile's S and runs during that tile's softmax (three K/V stages,
+// one tile of copies ahead); the logits, masks, bias and softmax are the code above, on the same fragment layout.
+// One CTA per SM at head size 128 (200 registers), two at 64.
+//
 // Tiles: a host-sized grid of M tiles over all sequences, mapped to (sequence, tile of that sequence) by
 // paged_prefill_plan (device side: the host never reads query_start_loc). With several partitions (split-K, when
 // the grid is small) each CTA writes (acc, m, l) and paged_prefill_reduce combines them.
 #include "common.cuh"
 #include "mma.cuh"
+#include "wgmma.cuh"
 
 namespace cpa {
 
@@ -53,6 +61,11 @@ constexpr int kPlanThreads = 1024;
 constexpr int kPrefillReduceThreads = 128;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kRescaleSlack = 8.0f;  // base 2: how far a tile's max may pass a row's softmax reference (p <= 256)
+// The Hopper tiling (wgmma, sm_90a; PrefillLayout with WG = true): two warpgroups of 64 rows each.
+constexpr int kWgmmaThreads = 256;
+constexpr int kWgmmaRows = 128;
+constexpr int kWgmmaTileKeys = 64;
+constexpr int kWarpgroupThreads = 128;
 #ifndef CPA_BIAS_RING
 #define CPA_BIAS_RING 3
 #endif
@@ -158,44 +171,57 @@ __host__ __device__ constexpr int rows_per_cta(int head, int key_warps) {
   return kRowsPerMma * prefill_m_tiles(head, key_warps) * kPrefillWarps / key_warps;
 }
 
-template <typename T, int HEAD, int KEY_WARPS>
+template <typename T, int HEAD, int KEY_WARPS, bool WG = false>
 struct PrefillLayout {
   static constexpr bool kDecode = KEY_WARPS > 1;
-  static constexpr int MT = prefill_m_tiles(HEAD, KEY_WARPS);  // m tiles (16 rows each) per warp
+  static constexpr bool kWgmma = WG;  // the Hopper tiling (see wgmma_head)
+  static constexpr int THREADS = WG ? kWgmmaThreads : kPrefillThreads;
+  static constexpr int WARPS = THREADS / kWarpSize;
+  static constexpr int MT = WG ? 1 : prefill_m_tiles(HEAD, KEY_WARPS);  // m tiles (16 rows each) per warp
   static constexpr int ROWS_W = MT * kRowsPerMma;          // rows of one warp
-  static constexpr int ROWS = rows_per_cta(HEAD, KEY_WARPS);  // packed (token, head) rows per CTA
+  static constexpr int ROWS = WG ? kWgmmaRows : rows_per_cta(HEAD, KEY_WARPS);  // packed (token, head) rows per CTA
   static constexpr int VEC = vec_elems<T>();               // 8 elements per 16-byte vector
   static constexpr int HEAD_P = (HEAD + 15) / 16 * 16;     // head size padded to the mma's k (120 -> 128)
   static constexpr int NV = HEAD_P / VEC;                  // vectors per padded row (even)
   static constexpr int NV_REAL = HEAD / VEC;               // of those, vectors that hold data (the rest are zeros)
-  static constexpr int ROW = NV + 1;                       // row pitch in vectors: odd, so ldmatrix is conflict-free
+  // Row pitch in vectors: odd, so ldmatrix is conflict-free. The Hopper tiling's rows are unpadded and swizzled.
+  static constexpr int ROW = WG ? NV : NV + 1;
   // Keys per tile: 64, or 32 where two m tiles of a larger head would not fit their registers otherwise (so
-  // FlashAttention-2 tiles head size 128: 128 rows x 32 keys), and past head size 128.
-  static constexpr int TILE_N = HEAD > 128 || (MT == 2 && HEAD_P > 64) ? 32 : 64;
+  // FlashAttention-2 tiles head size 128: 128 rows x 32 keys), and past head size 128. Hopper: kWgmmaTileKeys.
+  static constexpr int TILE_N = WG ? kWgmmaTileKeys : HEAD > 128 || (MT == 2 && HEAD_P > 64) ? 32 : 64;
   static constexpr int KEYS_W = TILE_N / KEY_WARPS;        // keys of a tile that one warp computes
   static constexpr int KSTEPS = HEAD_P / 16;               // k steps of S = Q·Kᵀ
   static constexpr int NT_S = KEYS_W / 8;                  // n tiles of a warp's S
   static constexpr int NT_O = HEAD_P / 8;                  // n tiles of O
-  static constexpr int COPIES = (TILE_N * NV + kPrefillThreads - 1) / kPrefillThreads;  // K, V vectors per thread
-  static constexpr bool kCopiesEven = TILE_N * NV % kPrefillThreads == 0;  // else the last slot is some threads'
+  static constexpr int COPIES = (TILE_N * NV + THREADS - 1) / THREADS;  // K, V vectors per thread
+  static constexpr bool kCopiesEven = TILE_N * NV % THREADS == 0;  // else the last slot is some threads'
   // CTAs per SM. Prefill: two, Q's A fragments re-read from shared memory each tile where the warp has two m tiles
   // (their accumulators take the registers), else held in registers. Decode: three CTAs up to HEAD 64, else two,
   // each with two tiles in flight while it computes a third (64 KB per CTA at HEAD 128), Q in registers.
-  static constexpr int kCtasPerSm = kDecode && HEAD_P <= 64 ? 3 : 2;
-  static constexpr bool kQInRegs = MT == 1 && HEAD <= 192;
-  static constexpr int STAGES = kDecode ? 3 : kPrefillStages;  // K/V tiles in shared memory
-  static constexpr int PAGE_BUFFERS = STAGES + 1;  // tiles whose page offsets are in shared memory (see page_s)
+  // Hopper: two at head size 64; one at 128 (two would cap the registers at 128, and ptxas spills 350 bytes).
+  static constexpr int kCtasPerSm = WG ? (HEAD_P <= 64 ? 2 : 1) : kDecode && HEAD_P <= 64 ? 3 : 2;
+  static constexpr bool kQInRegs = !WG && MT == 1 && HEAD <= 192;
+  static constexpr int STAGES = kDecode || WG ? 3 : kPrefillStages;  // K/V tiles in shared memory
+  // Tiles whose copies are in flight while one computes: all stages but that one; Hopper: one, its third stage
+  // holding the previous tile's V for the P·V still running (the warpgroup's pipeline, see pv_pending).
+  static constexpr int AHEAD = WG ? 1 : STAGES - 1;
+  static constexpr int PAGE_BUFFERS = AHEAD + 2;  // tiles whose page offsets are in shared memory (see page_s)
   // Decode has one query position per CTA: T5 reads its table per logit (most tiles are far ones anyway).
   static constexpr int REL_TABLE = kDecode ? 0 : kRelTableMax;
   // Shared memory, in bytes: Q_s [ROWS][ROW], KV_s [STAGES][K, V][TILE_N][ROW] (16-byte vectors),
-  // page_s [PAGE_BUFFERS][TILE_N] long longs, rel_s [REL_TABLE] floats, far_s [2][ROWS] floats.
+  // page_s [PAGE_BUFFERS][TILE_N] long longs, rel_s [REL_TABLE] floats, far_s [2][ROWS] floats; Hopper also 1024
+  // bytes to align Q_s and KV_s on the swizzle's period.
   static constexpr int kQBytes = ROWS * ROW * kVecBytes;
   static constexpr int kKVBytes = STAGES * 2 * TILE_N * ROW * kVecBytes;
   static constexpr int kPageBytes = PAGE_BUFFERS * TILE_N * 8;
   static constexpr int kRelBytes = (REL_TABLE + 2 * ROWS) * 4;
-  static constexpr int kSmemBytes = kQBytes + kKVBytes + kPageBytes + kRelBytes;
+  static constexpr int kAlignBytes = WG ? 1024 : 0;
+  static constexpr int kSmemBytes = kQBytes + kKVBytes + kPageBytes + kRelBytes + kAlignBytes;
   static_assert(sizeof(T) == 2, "the tensor-core kernel takes float16 / bfloat16");
   static_assert(kCtasPerSm * (kSmemBytes + 1024) <= 227 * 1024, "the CTAs per SM fit in an H100/H200 SM");
+  static_assert(!WG || (!kDecode && HEAD % 64 == 0 && (NT_S == 8 || NT_S == 16) && (NT_O == 8 || NT_O == 16) &&
+                        ROWS == WARPS * kRowsPerMma),
+                "Hopper tiling: prefill, head size 64 or 128, 64 or 128 keys per tile, 16 rows per warp");
   static_assert(HEAD % VEC == 0 && NV % 2 == 0, "whole vectors, pairs of 8-column matrices");
   static_assert(KEYS_W % 16 == 0, "P·V takes keys 16 at a time");
   static_assert(!kDecode || KEY_WARPS * ROWS * (HEAD_P + 2) * 4 <= kKVBytes, "the warps combine in the K/V stages");
@@ -207,8 +233,9 @@ struct PrefillLayout {
 // DenseBias, RaggedBias (decode) or T5Bias (common.cuh), KEY_WARPS (see PrefillLayout). Run-time: page size
 // (block_shift), causal, ALiBi, bias dtype, split. Decode passes query_start_loc = tile_info = null (cta_rows).
 // ---------------------------------------------------------------------------------------------------------------
-template <typename T, int HEAD, KvLayout LAYOUT, typename Bias, int KEY_WARPS>
-__global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WARPS>::kCtasPerSm) paged_prefill(
+template <typename T, int HEAD, KvLayout LAYOUT, typename Bias, int KEY_WARPS, bool WG>
+__global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS,
+                                  PrefillLayout<T, HEAD, KEY_WARPS, WG>::kCtasPerSm) paged_prefill(
     T* __restrict__ out, long long out_stride_t, long long out_stride_h,  // [total_q, num_heads, HEAD]
     float* __restrict__ part_acc,  // [num_parts, total_q, num_heads, HEAD], used when num_parts > 1
     float* __restrict__ part_ml,   // [num_parts, total_q, num_heads, 2] = (m, l) in base 2
@@ -223,17 +250,22 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
     long long bias_stride_2, long long bias_stride_3, int bias_dtype, int bias_n, int bias_m,  // BiasArgs
     const float* __restrict__ alibi_slopes,  // [num_heads] or null
     float scale, int group_size, int causal, int tokens_per_part, int num_parts) {
-  using L = PrefillLayout<T, HEAD, KEY_WARPS>;
+  using L = PrefillLayout<T, HEAD, KEY_WARPS, WG>;
   using Cache = PagedCache<T, HEAD, LAYOUT>;
+#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(!WG, "the Hopper tiling (wgmma) compiles for sm_90a only");
+#endif
   constexpr int NV = L::NV, NV_REAL = L::NV_REAL, ROW = L::ROW, TILE_N = L::TILE_N, KSTEPS = L::KSTEPS;
   constexpr int NT_S = L::NT_S, NT_O = L::NT_O, COPIES = L::COPIES, MT = L::MT, NR = 2 * L::MT;
   constexpr int ROWS = L::ROWS, STAGES = L::STAGES, PAGE_BUFFERS = L::PAGE_BUFFERS, REL_TABLE = L::REL_TABLE;
+  constexpr int AHEAD = L::AHEAD;
   constexpr bool kT5 = SameType<Bias, T5Bias>::value;
   // No launch_dependents() here: the decode tiling's reduction is launched as a dependent all the same (it then starts
   // as this grid ends), and the call, even at the top, changed this kernel's whole schedule (prefill d128 ~5 % slower).
 
   extern __shared__ uint4 smem[];
-  uint4* q_s = smem;                                   // [ROWS][ROW]
+  // (Hopper: Q_s and the stages start on the 128-byte swizzle's period, 1024 bytes.)
+  uint4* q_s = L::kWgmma ? smem + ((1024u - (smem_addr(smem) & 1023u)) & 1023u) / kVecBytes : smem;  // [ROWS][ROW]
   uint4* kv_s = q_s + ROWS * ROW;                      // [stage][K, V][TILE_N][ROW]
   long long* page_s = reinterpret_cast<long long*>(kv_s + STAGES * 2 * TILE_N * ROW);  // [PAGE_BUFFERS][TILE_N]
   float* rel_s = reinterpret_cast<float*>(page_s + PAGE_BUFFERS * TILE_N);            // [REL_TABLE]
@@ -342,11 +374,20 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
   const int* table = block_tables + s * block_table_stride;
   const int block_mask = (1 << block_shift) - 1;
 
-  auto k_s = [&](int st, int t, int c) -> uint4* { return &kv_s[((st * 2) * TILE_N + t) * ROW + c]; };
-  auto v_s = [&](int st, int t, int c) -> uint4* { return &kv_s[((st * 2 + 1) * TILE_N + t) * ROW + c]; };
+  // Vector c of key t of stage st: padded rows, or the Hopper tiling's swizzled blocks (wgmma.cuh). (The padded
+  // index is written as it always was: ptxas's schedule of the mma.sync tiling, 11 % of its time at head size 128,
+  // changed with its association.)
+  auto k_s = [&](int st, int t, int c) -> uint4* {
+    if constexpr (L::kWgmma) return &kv_s[st * 2 * TILE_N * ROW + swizzled_vector(TILE_N, t, c)];
+    else return &kv_s[((st * 2) * TILE_N + t) * ROW + c];
+  };
+  auto v_s = [&](int st, int t, int c) -> uint4* {
+    if constexpr (L::kWgmma) return &kv_s[(st * 2 + 1) * TILE_N * ROW + swizzled_vector(TILE_N, t, c)];
+    else return &kv_s[((st * 2 + 1) * TILE_N + t) * ROW + c];
+  };
 
   // ---- Q tile -> shared memory (zeros for rows past the sequence and for padding), then A fragments.
-  for (int idx = tid; idx < ROWS * NV; idx += kPrefillThreads) {
+  for (int idx = tid; idx < ROWS * NV; idx += L::THREADS) {
     const int r = idx / NV;
     const int c = idx % NV;
     const int R = m0 + r;
@@ -366,13 +407,13 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
         v = u.raw;
       }
     }
-    q_s[r * ROW + c] = v;
+    q_s[L::kWgmma ? swizzled_vector(ROWS, r, c) : r * ROW + c] = v;
   }
 
   // The T5 table (see rel_half); visible after the barrier before the first tile.
   if (use_rel) {
 #pragma unroll 4
-    for (int e = tid; e < G * rel_w; e += kPrefillThreads) {
+    for (int e = tid; e < G * rel_w; e += L::THREADS) {
       const int g = e / rel_w;
       const int w = e % rel_w;
       rel_s[e] = bias.value(seq_bias.load(kvh * G + g, 0, 0, w - rel_half)) * kLog2e;
@@ -383,8 +424,8 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
   // (head kvh): its page's plus its token's. −1 when its block id lies outside the cache (never dereferenced: the
   // key is masked; validate=True reports it), −2 for keys past loop_end. Thread t < TILE_N loads key t's block id
   // one tile early (load_id, into a register) and stores the offset at the end of that tile (store_page): tile u's
-  // offsets are written in iteration u − STAGES, read by its copies in iteration u − STAGES + 1 and by its masks in
-  // iteration u, so STAGES + 1 buffers never collide. Each copy is then one shared load and two 64-bit adds.
+  // offsets are written in iteration u − AHEAD − 1, read by its copies in iteration u − AHEAD and by its masks in
+  // iteration u, so AHEAD + 2 buffers never collide. Each copy is then one shared load and two 64-bit adds.
   int pending_blk = 0;
   bool pending_in = false;
   auto load_id = [&](int t0) {
@@ -408,12 +449,11 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
   // a key is missing. Slot k of this thread is vector c of tile row t (idx = tid + k·threads: coalesced). When the
   // threads cover whole rows (NV divides them), c is the same in every slot and its byte offset is folded into this
   // thread's cache pointers once. Returns whether every key that this thread copied lies in the cache.
-  constexpr bool kColFixed = kPrefillThreads % NV == 0;
-  auto slot_used = [&](int k) { return L::kCopiesEven || k < COPIES - 1 || tid + k * kPrefillThreads < TILE_N * NV; };
-  auto slot_col = [&](int k) { return kColFixed ? tid % NV : (tid + k * kPrefillThreads) % NV; };
-  auto slot_row = [&](int k) {
-    return kColFixed ? tid / NV + k * (kPrefillThreads / NV) : (tid + k * kPrefillThreads) / NV;
-  };
+  constexpr int THREADS = L::THREADS;
+  constexpr bool kColFixed = THREADS % NV == 0;
+  auto slot_used = [&](int k) { return L::kCopiesEven || k < COPIES - 1 || tid + k * THREADS < TILE_N * NV; };
+  auto slot_col = [&](int k) { return kColFixed ? tid % NV : (tid + k * THREADS) % NV; };
+  auto slot_row = [&](int k) { return kColFixed ? tid / NV + k * (THREADS / NV) : (tid + k * THREADS) / NV; };
   const long long col_bytes = kColFixed ? static_cast<long long>(slot_col(0)) * cache.vector_stride() * sizeof(T) : 0;
   const char* key_bytes = reinterpret_cast<const char*>(key_cache) + col_bytes;
   const char* value_bytes = reinterpret_cast<const char*>(value_cache) + col_bytes;
@@ -502,7 +542,7 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
   }
 
   // Whether every key this thread copied for tile u lies in the cache: bit u % 32 (u's copies are issued
-  // STAGES − 1 < 32 tiles before u is computed).
+  // AHEAD < 32 tiles before u is computed).
   unsigned ok_bits = ~0u;
   auto issue_tile = [&](int u) {
     if (u < num_tiles) {
@@ -514,15 +554,17 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
   };
   if (num_tiles > 0) {  // (uniform over the CTA)
 #pragma unroll
-    for (int u = 0; u < STAGES; ++u) {
+    for (int u = 0; u <= AHEAD; ++u) {
       load_id(kstart + u * TILE_N);
       store_page(u, kstart + u * TILE_N);
     }
     __syncthreads();  // the first tiles' page offsets are visible to every thread's copies
 #pragma unroll
-    for (int u = 0; u < STAGES - 1; ++u) issue_tile(u);
+    for (int u = 0; u < AHEAD; ++u) issue_tile(u);
   }
+  if constexpr (L::kWgmma) fence_proxy_async();  // Q_s (ordinary stores) is read by wgmma, the async proxy
   __syncthreads();  // Q_s (and far_s, rel_s) are complete before the warps read them
+  const int group = warp / (kWarpgroupThreads / kWarpSize);  // Hopper: this thread's warpgroup
 
   unsigned qa[L::kQInRegs ? KSTEPS : 1][4];
   if constexpr (L::kQInRegs) {
@@ -533,6 +575,21 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
   const float scale2 = scale * kLog2e;
   const bool has_alibi = alibi_slopes != nullptr;
 
+  // Hopper: the warpgroup's pipeline (FlashAttention-3's). A tile's P·V is issued with the next tile's S = Q·Kᵀ
+  // and runs while that tile's softmax computes: P (pa, 16-bit A fragments) and the stage of its V (pv_stage) wait
+  // in pv_pending for one iteration. acc is touched only after the P·V is waited for.
+  constexpr int PV_STEPS = L::kWgmma ? TILE_N / 16 : 1;
+  unsigned pa[PV_STEPS][4];
+  bool pv_pending = false;  // (uniform over the warpgroup)
+  int pv_stage = 0;
+  auto issue_pv = [&]() {  // O += P·V: V MN-major; keys 16kk ... are 16 rows of 128 bytes (128 vectors) further
+    if constexpr (L::kWgmma) {
+      const uint4* v_tile = v_s(pv_stage, 0, 0);
+#pragma unroll
+      for (int kk = 0; kk < PV_STEPS; ++kk) wgmma_rs<T>(acc[0], pa[kk], wgmma_desc(v_tile + kk * 16 * 8, TILE_N * 128));
+    }
+  };
+
   for (int tile0 = 0; tile0 < num_tiles; tile0 += RING) {
 #pragma unroll
     for (int slot = 0; slot < RING; ++slot) {  // (decode: each ring slot is a compile-time register array)
@@ -540,14 +597,17 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
       if (tile >= num_tiles) break;  // the same for every thread of the CTA
       const int st = tile % STAGES;
       const int t0 = kstart + tile * TILE_N;
-      cp_async_wait<STAGES - 2>();  // this thread's copies of this tile have landed (the younger groups may not)
+      cp_async_wait<AHEAD - 1>();  // this thread's copies of this tile have landed (the younger groups may not)
+      if constexpr (L::kWgmma) fence_proxy_async();  // ... and are visible to wgmma (the async proxy)
       // Every thread's copies of this tile (and its T5 table, its key flags) are visible, and every thread is done
       // with the previous tile, whose stage the copies issued next overwrite. Also: are all keys of it in the cache?
       const bool tile_ok = __syncthreads_and((ok_bits >> (tile % 32)) & 1u);
-      issue_tile(tile + STAGES - 1);
-      if (tile + STAGES < num_tiles) load_id(t0 + STAGES * TILE_N);
+      issue_tile(tile + AHEAD);
+      if (tile + AHEAD + 1 < num_tiles) load_id(t0 + (AHEAD + 1) * TILE_N);
 
-      if (t0 + key0 < warp_end) {  // (uniform over the warp)
+      // Hopper: every warpgroup computes every tile (its wgmmas are collective, and ptxas serialises them when it
+      // cannot prove a branch around them uniform); keys past a row's end are masked.
+      if (L::kWgmma || t0 + key0 < warp_end) {  // (uniform over the warp)
         const bool need_mask = !(tile_ok && t0 + TILE_N <= warp_min_end);
         BiasFrag braw;
         if constexpr (kBiasAhead) {
@@ -560,29 +620,50 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
           load_bias(braw, t0);
         }
 
-        // ---- S = Q·Kᵀ: ROWS_W rows x KEYS_W keys per warp; each K fragment feeds the MT m tiles.
+        // ---- S = Q·Kᵀ: ROWS_W rows x KEYS_W keys per warp; each K fragment feeds the MT m tiles. Hopper: the
+        // warpgroup's 64 rows x TILE_N keys, KSTEPS wgmmas from shared memory (Q and K K-major, see wgmma.cuh).
         float sacc[MT][NT_S][4];
         zero_fragments(sacc);
+        if constexpr (L::kWgmma) {
+          const uint4* q_group = q_s + group * 64 * 8;  // row 64·group of each 64-column block
+          const uint4* k_tile = k_s(st, 0, 0);
+          wgmma_pin(sacc[0]);
+          wgmma_pin(acc[0]);
+          wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < KSTEPS; ++kk) {
-          unsigned a[MT][4];
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            if constexpr (L::kQInRegs) {
-#pragma unroll
-              for (int e = 0; e < 4; ++e) a[mt][e] = qa[kk][e];
-            } else {
-              ldmatrix_x4(a[mt], &q_s[(row_warp * L::ROWS_W + mt * kRowsPerMma + lane % 16) * ROW + 2 * kk + lane / 16]);
-            }
+          for (int kk = 0; kk < KSTEPS; ++kk) {
+            const int block = kk / 4, step = (kk % 4) * 2;  // 64-column block, 32-byte step (2 vectors) inside it
+            wgmma_ss<T>(sacc[0], wgmma_desc(q_group + block * ROWS * 8 + step, 0),
+                        wgmma_desc(k_tile + block * TILE_N * 8 + step, 0), kk > 0);
           }
+          wgmma_commit();
+          if (pv_pending) issue_pv();  // the previous tile's P·V behind it
+          wgmma_commit();              // (an empty group when none)
+          wgmma_wait<1>();             // S only: groups complete in order
+          wgmma_pin(sacc[0]);
+        } else {
 #pragma unroll
-          for (int np = 0; np < NT_S / 2; ++np) {
-            unsigned b[4];  // keys 16np + (0..7 | 8..15) x columns 16kk + (0..7 | 8..15)
-            ldmatrix_x4(b, k_s(st, key0 + np * 16 + (lane / 16) * 8 + lane % 8, 2 * kk + (lane / 8) % 2));
+          for (int kk = 0; kk < KSTEPS; ++kk) {
+            unsigned a[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-              mma_16816<T>(sacc[mt][2 * np], a[mt], b[0], b[1]);
-              mma_16816<T>(sacc[mt][2 * np + 1], a[mt], b[2], b[3]);
+              if constexpr (L::kQInRegs) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) a[mt][e] = qa[kk][e];
+              } else {
+                ldmatrix_x4(a[mt],
+                            &q_s[(row_warp * L::ROWS_W + mt * kRowsPerMma + lane % 16) * ROW + 2 * kk + lane / 16]);
+              }
+            }
+#pragma unroll
+            for (int np = 0; np < NT_S / 2; ++np) {
+              unsigned b[4];  // keys 16np + (0..7 | 8..15) x columns 16kk + (0..7 | 8..15)
+              ldmatrix_x4(b, k_s(st, key0 + np * 16 + (lane / 16) * 8 + lane % 8, 2 * kk + (lane / 8) % 2));
+#pragma unroll
+              for (int mt = 0; mt < MT; ++mt) {
+                mma_16816<T>(sacc[mt][2 * np], a[mt], b[0], b[1]);
+                mma_16816<T>(sacc[mt][2 * np + 1], a[mt], b[2], b[3]);
+              }
             }
           }
         }
@@ -706,7 +787,11 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
           rescale = rescale || grow[hf];
         }
         // A tile that moves no row's reference (α = 1 exactly) leaves acc as it is: one vote replaces the MT·NT_O·4
-        // multiplications of the rescale.
+        // multiplications of the rescale. (Hopper: the previous tile's P·V has landed in acc first.)
+        if constexpr (L::kWgmma) {
+          wgmma_wait<0>();  // (unconditional: ptxas must see acc complete on every path)
+          wgmma_pin(acc[0]);
+        }
         if (__any_sync(0xffffffffu, rescale)) {
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt)
@@ -717,31 +802,55 @@ __global__ void __launch_bounds__(kPrefillThreads, PrefillLayout<T, HEAD, KEY_WA
         }
 
         // ---- O += P·V: the S accumulators of n tiles 2kk, 2kk + 1 are the A fragment of keys 16kk ... 16kk + 15
-        // (of the warp's keys); each V fragment feeds the MT m tiles.
+        // (of the warp's keys); each V fragment feeds the MT m tiles. Hopper: P from registers, V from shared
+        // memory MN-major, TILE_N / 16 wgmmas of 64 rows x HEAD columns, issued one iteration later (pv_pending).
+        if constexpr (L::kWgmma) {  // issued with the next tile's S (or by finish_pv)
 #pragma unroll
-        for (int kk = 0; kk < L::KEYS_W / 16; ++kk) {
-          unsigned a[MT][4];
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            a[mt][0] = pack2<T>(sacc[mt][2 * kk][0], sacc[mt][2 * kk][1]);
-            a[mt][1] = pack2<T>(sacc[mt][2 * kk][2], sacc[mt][2 * kk][3]);
-            a[mt][2] = pack2<T>(sacc[mt][2 * kk + 1][0], sacc[mt][2 * kk + 1][1]);
-            a[mt][3] = pack2<T>(sacc[mt][2 * kk + 1][2], sacc[mt][2 * kk + 1][3]);
+          for (int kk = 0; kk < PV_STEPS; ++kk) {
+            pa[kk][0] = pack2<T>(sacc[0][2 * kk][0], sacc[0][2 * kk][1]);
+            pa[kk][1] = pack2<T>(sacc[0][2 * kk][2], sacc[0][2 * kk][3]);
+            pa[kk][2] = pack2<T>(sacc[0][2 * kk + 1][0], sacc[0][2 * kk + 1][1]);
+            pa[kk][3] = pack2<T>(sacc[0][2 * kk + 1][2], sacc[0][2 * kk + 1][3]);
           }
+          pv_pending = true;
+          pv_stage = st;
+        } else {
 #pragma unroll
-          for (int np = 0; np < NT_O / 2; ++np) {
-            unsigned b[4];  // keys 16kk + (0..7 | 8..15) x columns 16np + (0..7 | 8..15), transposed
-            ldmatrix_x4_trans(b, v_s(st, key0 + kk * 16 + ((lane / 8) % 2) * 8 + lane % 8, 2 * np + lane / 16));
+          for (int kk = 0; kk < L::KEYS_W / 16; ++kk) {
+            unsigned a[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-              mma_16816<T>(acc[mt][2 * np], a[mt], b[0], b[1]);
-              mma_16816<T>(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+              a[mt][0] = pack2<T>(sacc[mt][2 * kk][0], sacc[mt][2 * kk][1]);
+              a[mt][1] = pack2<T>(sacc[mt][2 * kk][2], sacc[mt][2 * kk][3]);
+              a[mt][2] = pack2<T>(sacc[mt][2 * kk + 1][0], sacc[mt][2 * kk + 1][1]);
+              a[mt][3] = pack2<T>(sacc[mt][2 * kk + 1][2], sacc[mt][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int np = 0; np < NT_O / 2; ++np) {
+              unsigned b[4];  // keys 16kk + (0..7 | 8..15) x columns 16np + (0..7 | 8..15), transposed
+              ldmatrix_x4_trans(b, v_s(st, key0 + kk * 16 + ((lane / 8) % 2) * 8 + lane % 8, 2 * np + lane / 16));
+#pragma unroll
+              for (int mt = 0; mt < MT; ++mt) {
+                mma_16816<T>(acc[mt][2 * np], a[mt], b[0], b[1]);
+                mma_16816<T>(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+              }
             }
           }
         }
       }
-      // Tile + STAGES's page offsets (its block ids were loaded at the top of this tile); no one reads that buffer now.
-      if (tile + STAGES < num_tiles) store_page(tile + STAGES, t0 + STAGES * TILE_N);
+      // Tile + AHEAD + 1's page offsets (its block ids were loaded at the top of this tile); no one reads that buffer
+      // now.
+      if (tile + AHEAD + 1 < num_tiles) store_page(tile + AHEAD + 1, t0 + (AHEAD + 1) * TILE_N);
+    }
+  }
+  if constexpr (L::kWgmma) {  // the last tile's P·V
+    if (pv_pending) {
+      wgmma_pin(acc[0]);
+      wgmma_fence();
+      issue_pv();
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_pin(acc[0]);
     }
   }
   cp_async_wait<0>();  // no copy may still be writing shared memory when the CTA exits (or combines in it)

@@ -77,20 +77,28 @@ def test_every_prefill_specialisation_compiles(dtype, arch):
     specs = [s for s in _compile.all_prefill_specs() if s.dtype == dtype]
     prefill = len(_compile.HEAD_SIZES) * len(_compile.KV_LAYOUTS) * len(_compile.PREFILL_BIAS_MODES)
     decode_tc = len(_compile.DECODE_MMA_HEAD_SIZES) * len(_compile.KV_LAYOUTS) * len(_compile.BIAS_MODES)
-    assert len(specs) == prefill + (decode_tc if dtype != "f32" else 0)
-    _compile_all("paged_prefill.cu", specs, arch)
+    hopper = len(_compile.WGMMA_HEAD_SIZES) * len(_compile.KV_LAYOUTS) * len(_compile.PREFILL_BIAS_MODES)
+    assert len(specs) == prefill + (decode_tc + hopper if dtype != "f32" else 0)
+    by_arch: dict[str, list] = {}
+    for spec in specs:  # the Hopper tiling compiles for sm_90a, and only there
+        target = spec.offline_arch(arch)
+        if target is not None:
+            by_arch.setdefault(target, []).append(spec)
+    assert sum(map(len, by_arch.values())) == len(specs) - (hopper if arch != "sm_90" and dtype != "f32" else 0)
+    for target, group in by_arch.items():
+        _compile_all("paged_prefill.cu", group, target)
 
 
 def test_prefill_keys_and_shared_memory():
     spec = _compile.PrefillSpec("bf16", 128, "nhd", "t5")
     assert spec.key == "paged_prefill_bf16_d128_nhd_bias-t5"
     assert spec.name_expressions()[0] == \
-        "cpa::paged_prefill<__nv_bfloat16, 128, cpa::KvLayout::kNHD, cpa::T5Bias, 1>"
+        "cpa::paged_prefill<__nv_bfloat16, 128, cpa::KvLayout::kNHD, cpa::T5Bias, 1, false>"
     assert _compile.PrefillSpec("f32", 64, "vllm", "none").name_expressions()[0].startswith("cpa::paged_prefill_simt<")
     decode_spec = _compile.PrefillSpec("f16", 64, "vllm", "ragged", _compile.DECODE_KEY_WARPS)
     assert decode_spec.key == "paged_prefill_f16_d64_vllm_bias-ragged_decode"
     assert decode_spec.name_expressions()[:2] == (
-        "cpa::paged_prefill<__half, 64, cpa::KvLayout::kVLLM, cpa::RaggedBias, 4>",
+        "cpa::paged_prefill<__half, 64, cpa::KvLayout::kVLLM, cpa::RaggedBias, 4, false>",
         "cpa::paged_prefill_reduce<__half, 64, 4>")
     # Two CTAs of the largest specialisation fit one H100/H200 SM (227 KB per CTA, 228 KB per SM), in either tiling.
     assert max(_compile.prefill_smem_bytes(dt, d) for dt in ("f16", "bf16") for d in _compile.HEAD_SIZES) <= 113 * 1024
@@ -146,6 +154,35 @@ def test_prefill_planning(rng, dtype, head_size, rows, tile):
     assert _compile.reduce_chunks(rows, head_size) * _compile.PREFILL_REDUCE_THREADS >= rows * head_size
 
 
+@pytest.mark.parametrize(("dtype", "head_size", "hopper"), [
+    ("bf16", 128, True), ("f16", 64, True), ("bf16", 96, False), ("bf16", 256, False), ("f32", 128, False),
+])
+def test_hopper_tiling_planning(rng, dtype, head_size, hopper):
+    """On a device that runs sm_90a code, 16-bit head sizes 64 and 128 take the Hopper tiling: 256 threads (two
+    warpgroups), the same 128 rows per CTA (so the same grid and reduction), 64-key tiles, its own key and options."""
+    from prefill_helpers import make_prefill_problem
+
+    from cupy_paged_attn import prefill
+
+    p = make_prefill_problem(rng, [(300, 300), (1000, 1)], num_heads=8, num_kv_heads=2, head_size=head_size,
+                             dtype=dtype)
+    problem = _checks.check_prefill(*p.args(), causal=True, scale=None, attn_bias=None, alibi_slopes=None,
+                                    kv_layout="nhd", out=None)
+    plain = prefill.plan_prefill(problem, 10**6)
+    launch = prefill.plan_prefill(problem, 10**6, wgmma=True)
+    assert not plain.spec.wgmma and launch.spec.wgmma == hopper
+    assert (launch.rows, launch.num_tiles) == (plain.rows, plain.num_tiles)
+    if hopper:
+        spec = launch.spec
+        assert spec.threads == _compile.WGMMA_THREADS == 256 and launch.tokens_per_part % 64 == 0
+        assert spec.key.endswith("_wgmma") and "-arch=sm_90a" in spec.options
+        assert spec.name_expressions()[0].endswith(", 1, true>")
+        assert (spec.offline_arch("sm_90"), spec.offline_arch("sm_80")) == ("sm_90a", None)
+        assert _compile.prefill_smem_bytes(dtype, head_size, wgmma=True) <= 227 * 1024
+    else:
+        assert launch == plain
+
+
 @pytest.mark.parametrize("ctas", [1, 8, 32, 100, 263, 264, 1000])
 @pytest.mark.parametrize("max_len", [1, 300, 8192, 65536])
 def test_one_wave_split(ctas, max_len):
@@ -177,6 +214,14 @@ def test_host_mirrors_of_kernel_constants():
                 if kw == _compile.DECODE_KEY_WARPS:
                     checks.append(f"static_assert({layout}::kCtasPerSm == {_compile.decode_ctas_per_sm(d)}, "
                                   f"\"ctas d{d}\");")
+    for dt in ("f16", "bf16"):
+        for d in _compile.WGMMA_HEAD_SIZES:
+            layout = f"cpa::PrefillLayout<{t[dt]}, {d}, {_compile.PREFILL_KEY_WARPS}, true>"
+            checks += [f"static_assert({layout}::kSmemBytes == {_compile.prefill_smem_bytes(dt, d, wgmma=True)}, "
+                       f"\"hopper smem {dt} d{d}\");",
+                       f"static_assert({layout}::TILE_N == {_compile.prefill_tile_keys(d, wgmma=True)}, \"tile\");",
+                       f"static_assert({layout}::ROWS == {_compile.prefill_rows_per_cta(dt, d)}, \"rows\");",
+                       f"static_assert({layout}::THREADS == {_compile.WGMMA_THREADS}, \"threads\");"]
     checks.append(f"static_assert(cpa::kPrefillThreads == {_compile.PREFILL_THREADS}, \"threads\");")
     checks.append(f"static_assert(cpa::kPrefillReduceThreads == {_compile.PREFILL_REDUCE_THREADS}, \"reduce\");")
     checks.append(f"static_assert(cpa::kSimtRowsPerCta == {_compile.SIMT_ROWS_PER_CTA}, \"simt rows\");")

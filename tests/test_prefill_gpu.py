@@ -13,7 +13,7 @@ from prefill_helpers import DENSE_KINDS, T5_KINDS, make_prefill_problem
 from test_decode_gpu import to_cupy, to_torch
 
 import cupy_paged_attn as cpa
-from cupy_paged_attn import prefill
+from cupy_paged_attn import _checks, prefill
 from cupy_paged_attn.prefill import paged_prefill_attention
 from cupy_paged_attn.reference import paged_prefill_attention_ref, to_numpy
 
@@ -144,6 +144,32 @@ def test_softmax_reference_moves_lazily_and_exactly(rng, split, dtype):
     args = [to_cupy(a) for a in d.args()]
     got = to_numpy(cpa.paged_attention(*args, **{**d.kwargs(), "attn_bias": to_cupy(d.attn_bias)}))
     assert_close(got, paged_attention_ref(*d.args(), **d.kwargs()), dtype, "decode")
+
+
+# The Hopper tiling's cases: every bias kind, both layouts, GQA, ALiBi, causal or not, page sizes 16 and 32.
+HOPPER_CASES = [("t5-causal", "nhd", True, 16), ("t5-short", "vllm", False, 32), ("dense", "nhd", False, 32),
+                ("strided", "vllm", True, 16), ("none", "vllm", True, 32), ("t5-bidir", "nhd", False, 16)]
+
+
+@pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma-sync"])
+@pytest.mark.parametrize(("dtype", "head_size"), [("bf16", 128), ("f16", 128), ("bf16", 64), ("f16", 64)])
+def test_both_tensor_core_tilings(rng, split, monkeypatch, wgmma, dtype, head_size):
+    """16-bit head sizes 64 and 128 run the Hopper tiling (wgmma) on devices of compute capability 9.0 and the
+    mma.sync tiling elsewhere (or with prefill.WGMMA = False): each against the reference, and the plan says which."""
+    import cupy
+
+    monkeypatch.setattr(prefill, "WGMMA", wgmma)
+    hopper = int(cupy.cuda.Device().compute_capability) == 90
+    for i, (bias, layout, causal, block_size) in enumerate(HOPPER_CASES):
+        p = make_prefill_problem(rng, SEQS, num_heads=8, num_kv_heads=2 if i % 2 else 8, head_size=head_size,
+                                 block_size=block_size, dtype=dtype, kv_layout=layout, bias=bias, bias_dtype=dtype,
+                                 alibi=i == 4, causal=causal, extra_table_cols=0)
+        problem = _checks.check_prefill(*p.args(), causal=causal, scale=None, attn_bias=None, alibi_slopes=None,
+                                        kv_layout=layout, out=None)
+        launch = prefill.plan_prefill(problem, 132, wgmma and prefill._runs_sm90a(0))
+        assert launch.spec.wgmma == (wgmma and hopper)
+        assert_close(run_cupy(p), paged_prefill_attention_ref(*p.args(), **p.kwargs()), dtype,
+                     f"{bias} {layout} causal={causal} b{block_size} wgmma={wgmma} {split}")
 
 
 def test_single_pass_and_split_k_agree(rng, monkeypatch):
