@@ -38,11 +38,13 @@ def plan_prefill(problem: _checks.PrefillProblem, num_sms: int, wgmma: bool = Fa
     num_seqs``, the grid's x. The device-side plan kernel maps tiles to sequences; spare tiles exit at once. When
     the tiles that surely hold rows cannot fill the GPU, the keys are split into partitions (a multiple of the
     kernel's key tile), combined by the reduction kernel. ``wgmma``: the device runs sm_90a code (the Hopper
-    tiling is then used where it applies: 16-bit dtypes, head sizes 64 and 128; same rows per CTA).
+    tiling is then used where it applies: 16-bit dtypes, head sizes 64 and 128, no bias or a T5 bias whose table
+    fits; same rows per CTA).
     """
     p = problem
     g = p.group_size
-    wgmma = wgmma and p.dtype != "f32" and p.head_size in _compile.WGMMA_HEAD_SIZES
+    wgmma = (wgmma and p.dtype != "f32" and p.head_size in _compile.WGMMA_HEAD_SIZES
+             and p.bias.mode in _compile.WGMMA_BIAS_MODES and (p.bias.mode != "t5" or _t5_table_fits(p)))
     rows = _compile.prefill_rows_per_cta(p.dtype, p.head_size)
     full_tiles = -(-p.total_q * g // rows)
     num_tiles = full_tiles + p.num_seqs
@@ -50,6 +52,16 @@ def plan_prefill(problem: _checks.PrefillProblem, num_sms: int, wgmma: bool = Fa
                                         _compile.prefill_tile_keys(p.head_size, wgmma=wgmma))
     spec = _compile.PrefillSpec(p.dtype, p.head_size, p.kv_layout, p.bias.mode, wgmma=wgmma)
     return PrefillLaunch(spec, rows, num_tiles, tokens_per_part, parts)
+
+
+def _t5_table_fits(problem: _checks.PrefillProblem) -> bool:
+    """Whether every CTA's T5 table fits in shared memory (paged_prefill.cu, use_rel): G·(2·(max_distance + key
+    tile + span) + 1) floats of at most kRelTableMax, where span bounds the positions of a CTA's rows. The Hopper
+    tiling has no per-logit path for the others (they run on the mma.sync tiling)."""
+    g, n = problem.group_size, problem.bias.n
+    span = (_compile.prefill_rows_per_cta(problem.dtype, problem.head_size) - 1) // g + 1
+    tile = _compile.prefill_tile_keys(problem.head_size, wgmma=True)
+    return n <= _compile.PREFILL_REL_TABLE and g * (2 * (n + tile + span) + 1) <= _compile.PREFILL_REL_TABLE
 
 
 @functools.cache

@@ -65,6 +65,11 @@ constexpr float kRescaleSlack = 8.0f;  // base 2: how far a tile's max may pass 
 constexpr int kWgmmaThreads = 256;
 constexpr int kWgmmaRows = 128;
 constexpr int kWgmmaTileKeys = 64;
+// Whether the Hopper tiling defers each tile's P·V into the next iteration (three stages; see pv_pending): at head
+// size 64. At 128, two CTAs per SM (each SM's 16 warps hide each other's latency; with one CTA and three stages the
+// no-bias case ran 3.48 ms against 2.69) leave shared memory for two stages only: a tile's P·V is waited for in its
+// tile.
+__host__ __device__ constexpr bool wgmma_deferred(int head) { return head <= 64; }
 constexpr int kWarpgroupThreads = 128;
 #ifndef CPA_BIAS_RING
 #define CPA_BIAS_RING 3
@@ -198,13 +203,14 @@ struct PrefillLayout {
   // CTAs per SM. Prefill: two, Q's A fragments re-read from shared memory each tile where the warp has two m tiles
   // (their accumulators take the registers), else held in registers. Decode: three CTAs up to HEAD 64, else two,
   // each with two tiles in flight while it computes a third (64 KB per CTA at HEAD 128), Q in registers.
-  // Hopper: two at head size 64; one at 128 (two would cap the registers at 128, and ptxas spills 350 bytes).
-  static constexpr int kCtasPerSm = WG ? (HEAD_P <= 64 ? 2 : 1) : kDecode && HEAD_P <= 64 ? 3 : 2;
+  // Hopper: two (128 registers; see wgmma_deferred).
+  static constexpr int kCtasPerSm = WG || !(kDecode && HEAD_P <= 64) ? 2 : 3;
   static constexpr bool kQInRegs = !WG && MT == 1 && HEAD <= 192;
-  static constexpr int STAGES = kDecode || WG ? 3 : kPrefillStages;  // K/V tiles in shared memory
+  static constexpr int STAGES = kDecode || (WG && wgmma_deferred(HEAD_P)) ? 3 : kPrefillStages;  // K/V tiles
   // Tiles whose copies are in flight while one computes: all stages but that one; Hopper: one, its third stage
   // holding the previous tile's V for the P·V still running (the warpgroup's pipeline, see pv_pending).
   static constexpr int AHEAD = WG ? 1 : STAGES - 1;
+  static constexpr bool kPvDefer = WG && STAGES == 3;
   static constexpr int PAGE_BUFFERS = AHEAD + 2;  // tiles whose page offsets are in shared memory (see page_s)
   // Decode has one query position per CTA: T5 reads its table per logit (most tiles are far ones anyway).
   static constexpr int REL_TABLE = kDecode ? 0 : kRelTableMax;
@@ -313,6 +319,10 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
   const int rel_half = min(bias_n, REL_TABLE) + TILE_N + p_last - p_first;
   const int rel_w = 2 * rel_half + 1;
   const bool use_rel = kT5 && bias_n <= REL_TABLE && G * rel_w <= REL_TABLE;
+  // The Hopper tiling has no per-logit T5 path (its registers cost the 128-register budget of head size 128 some
+  // 200 bytes of spills): the host gives it only problems whose table fits (prefill.py, _t5_table_fits).
+  constexpr bool kT5TableOnly = L::kWgmma && kT5;
+  if (kT5TableOnly && !use_rel) __trap();  // (unreachable)
 
   // ---- This thread's fragment rows: r = 2·mt + hf is row qr + 8·hf of the warp's m tile mt (accumulator
   // elements 2hf, 2hf + 1 of that tile's fragments). Per row: token, head, position, key range.
@@ -576,12 +586,27 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
   const bool has_alibi = alibi_slopes != nullptr;
 
   // Hopper: the warpgroup's pipeline (FlashAttention-3's). A tile's P·V is issued with the next tile's S = Q·Kᵀ
-  // and runs while that tile's softmax computes: P (pa, 16-bit A fragments) and the stage of its V (pv_stage) wait
-  // in pv_pending for one iteration. acc is touched only after the P·V is waited for.
+  // and runs while that tile's softmax computes: P (pa, 16-bit A fragments), the stage of its V (pv_stage) and its
+  // rescale of acc (pv_alpha, when pv_rescale) wait in pv_pending for one iteration. acc is waited for, rescaled
+  // and handed to the next P·V at the top of an iteration, after the barrier: a wait placed after the softmax's
+  // exponentials was hoisted above them by ptxas.
   constexpr int PV_STEPS = L::kWgmma ? TILE_N / 16 : 1;
   unsigned pa[PV_STEPS][4];
-  bool pv_pending = false;  // (uniform over the warpgroup)
+  bool pv_pending = false, pv_rescale = false;  // (uniform over the warpgroup; over the warp)
   int pv_stage = 0;
+  float pv_alpha[NR];
+  auto rescale_pending = [&]() {  // acc (complete) times the pending tile's α, when a row's reference moved
+    if constexpr (L::kWgmma) {
+      wgmma_wait<0>();
+      wgmma_pin(acc[0]);
+      if (pv_rescale) {
+#pragma unroll
+        for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[0][n][e] *= pv_alpha[e / 2];
+      }
+    }
+  };
   auto issue_pv = [&]() {  // O += P·V: V MN-major; keys 16kk ... are 16 rows of 128 bytes (128 vectors) further
     if constexpr (L::kWgmma) {
       const uint4* v_tile = v_s(pv_stage, 0, 0);
@@ -627,6 +652,7 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
         if constexpr (L::kWgmma) {
           const uint4* q_group = q_s + group * 64 * 8;  // row 64·group of each 64-column block
           const uint4* k_tile = k_s(st, 0, 0);
+          if constexpr (L::kPvDefer) rescale_pending();  // (the P·V issued last iteration has landed)
           wgmma_pin(sacc[0]);
           wgmma_pin(acc[0]);
           wgmma_fence();
@@ -688,7 +714,7 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
 #pragma unroll
               for (int e = 0; e < 4; ++e) sacc[mt][nt][e] = fmaf(sacc[mt][nt][e], scale2, row_bias[e / 2]);
           }
-        } else if (use_rel) {
+        } else if (kT5TableOnly || use_rel) {
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
             const float* rel_row[2] = {rel_s + row_off[2 * mt] + t0, rel_s + row_off[2 * mt + 1] + t0};
@@ -787,12 +813,12 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
           rescale = rescale || grow[hf];
         }
         // A tile that moves no row's reference (α = 1 exactly) leaves acc as it is: one vote replaces the MT·NT_O·4
-        // multiplications of the rescale. (Hopper: the previous tile's P·V has landed in acc first.)
+        // multiplications of the rescale. (Hopper: done with the tile's P·V, next iteration: rescale_pending.)
         if constexpr (L::kWgmma) {
-          wgmma_wait<0>();  // (unconditional: ptxas must see acc complete on every path)
-          wgmma_pin(acc[0]);
-        }
-        if (__any_sync(0xffffffffu, rescale)) {
+          pv_rescale = __any_sync(0xffffffffu, rescale);
+#pragma unroll
+          for (int hf = 0; hf < NR; ++hf) pv_alpha[hf] = alpha[hf];
+        } else if (__any_sync(0xffffffffu, rescale)) {
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -812,8 +838,18 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
             pa[kk][2] = pack2<T>(sacc[0][2 * kk + 1][0], sacc[0][2 * kk + 1][1]);
             pa[kk][3] = pack2<T>(sacc[0][2 * kk + 1][2], sacc[0][2 * kk + 1][3]);
           }
-          pv_pending = true;
           pv_stage = st;
+          if constexpr (L::kPvDefer) {
+            pv_pending = true;
+          } else {  // issued and waited for here
+            rescale_pending();
+            wgmma_pin(acc[0]);
+            wgmma_fence();
+            issue_pv();
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_pin(acc[0]);
+          }
         } else {
 #pragma unroll
           for (int kk = 0; kk < L::KEYS_W / 16; ++kk) {
@@ -845,6 +881,7 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
   }
   if constexpr (L::kWgmma) {  // the last tile's P·V
     if (pv_pending) {
+      rescale_pending();
       wgmma_pin(acc[0]);
       wgmma_fence();
       issue_pv();

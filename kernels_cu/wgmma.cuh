@@ -59,7 +59,6 @@ __device__ __forceinline__ void wgmma_pin(float (&d)[NT][4]) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[nt][e])::"memory");
 }
-
 // The accumulator operand lists: N = 64 (8 n tiles, 32 registers) and N = 128 (16 n tiles, 64 registers).
 template <typename T>
 constexpr bool kIsBf16 = false;

@@ -77,7 +77,7 @@ def test_every_prefill_specialisation_compiles(dtype, arch):
     specs = [s for s in _compile.all_prefill_specs() if s.dtype == dtype]
     prefill = len(_compile.HEAD_SIZES) * len(_compile.KV_LAYOUTS) * len(_compile.PREFILL_BIAS_MODES)
     decode_tc = len(_compile.DECODE_MMA_HEAD_SIZES) * len(_compile.KV_LAYOUTS) * len(_compile.BIAS_MODES)
-    hopper = len(_compile.WGMMA_HEAD_SIZES) * len(_compile.KV_LAYOUTS) * len(_compile.PREFILL_BIAS_MODES)
+    hopper = len(_compile.WGMMA_HEAD_SIZES) * len(_compile.KV_LAYOUTS) * len(_compile.WGMMA_BIAS_MODES)
     assert len(specs) == prefill + (decode_tc + hopper if dtype != "f32" else 0)
     by_arch: dict[str, list] = {}
     for spec in specs:  # the Hopper tiling compiles for sm_90a, and only there
@@ -183,6 +183,38 @@ def test_hopper_tiling_planning(rng, dtype, head_size, hopper):
         assert launch == plain
 
 
+@pytest.mark.parametrize(("kv_heads", "max_distance", "hopper"), [(8, 128, True), (2, 128, True), (1, 128, False),
+                                                                  (8, 800, True), (8, 900, False), (2, 20, True)])
+def test_hopper_tiling_needs_the_whole_t5_table(rng, kv_heads, max_distance, hopper):
+    """The Hopper tiling reads T5 only from a CTA's table in shared memory (G·(2·(max_distance + 64 + span) + 1)
+    floats of at most 2048, span the positions of its 128 rows); larger ones run on the mma.sync tiling."""
+    from prefill_helpers import make_prefill_problem
+
+    import cupy_paged_attn as cpa
+    from cupy_paged_attn import prefill
+
+    p = make_prefill_problem(rng, [(300, 300), (77, 7)], num_heads=8, num_kv_heads=kv_heads, head_size=128,
+                             dtype="bf16", bias="t5-causal")
+    bias = cpa.RelativePositionBias(np.asarray(p.attn_bias.table), num_buckets=32, max_distance=max_distance)
+    problem = _checks.check_prefill(*p.args(), causal=True, scale=None, attn_bias=bias, alibi_slopes=None,
+                                    kv_layout="nhd", out=None, bias_arrays=_checks.bias_operands(bias))
+    assert prefill._t5_table_fits(problem) == hopper
+    assert prefill.plan_prefill(problem, 132, wgmma=True).spec.wgmma == hopper
+
+
+def test_hopper_tiling_leaves_a_dense_bias_to_mma_sync(rng):
+    """A dense bias runs on the mma.sync tiling even where the Hopper tiling could (it measured faster there)."""
+    from prefill_helpers import make_prefill_problem
+
+    from cupy_paged_attn import prefill
+
+    p = make_prefill_problem(rng, [(300, 300), (77, 7)], num_heads=8, num_kv_heads=2, head_size=128, dtype="bf16",
+                             bias="dense")
+    problem = _checks.check_prefill(*p.args(), causal=True, scale=None, attn_bias=p.attn_bias, alibi_slopes=None,
+                                    kv_layout="nhd", out=None, bias_arrays=_checks.bias_operands(p.attn_bias))
+    assert problem.bias.mode == "dense" and not prefill.plan_prefill(problem, 132, wgmma=True).spec.wgmma
+
+
 @pytest.mark.parametrize("ctas", [1, 8, 32, 100, 263, 264, 1000])
 @pytest.mark.parametrize("max_len", [1, 300, 8192, 65536])
 def test_one_wave_split(ctas, max_len):
@@ -223,6 +255,7 @@ def test_host_mirrors_of_kernel_constants():
                        f"static_assert({layout}::ROWS == {_compile.prefill_rows_per_cta(dt, d)}, \"rows\");",
                        f"static_assert({layout}::THREADS == {_compile.WGMMA_THREADS}, \"threads\");"]
     checks.append(f"static_assert(cpa::kPrefillThreads == {_compile.PREFILL_THREADS}, \"threads\");")
+    checks.append(f"static_assert(cpa::kRelTableMax == {_compile.PREFILL_REL_TABLE}, \"t5 table\");")
     checks.append(f"static_assert(cpa::kPrefillReduceThreads == {_compile.PREFILL_REDUCE_THREADS}, \"reduce\");")
     checks.append(f"static_assert(cpa::kSimtRowsPerCta == {_compile.SIMT_ROWS_PER_CTA}, \"simt rows\");")
     _compile.compile_offline("paged_prefill.cu", [], "sm_90", "\n" + "\n".join(checks) + "\n")

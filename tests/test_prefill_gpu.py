@@ -146,30 +146,37 @@ def test_softmax_reference_moves_lazily_and_exactly(rng, split, dtype):
     assert_close(got, paged_attention_ref(*d.args(), **d.kwargs()), dtype, "decode")
 
 
-# The Hopper tiling's cases: every bias kind, both layouts, GQA, ALiBi, causal or not, page sizes 16 and 32.
-HOPPER_CASES = [("t5-causal", "nhd", True, 16), ("t5-short", "vllm", False, 32), ("dense", "nhd", False, 32),
-                ("strided", "vllm", True, 16), ("none", "vllm", True, 32), ("t5-bidir", "nhd", False, 16)]
+# The Hopper tiling's cases (bias, layout, causal, page size, KV heads of 8 query heads): every bias kind, both
+# layouts, GQA, ALiBi, causal or not, page sizes 16 and 32; the last, T5 with 8 query heads per KV head, has a table
+# too large for a CTA's shared memory and runs on the mma.sync tiling everywhere.
+HOPPER_CASES = [("t5-causal", "nhd", True, 16, 8), ("t5-short", "vllm", False, 32, 2), ("dense", "nhd", False, 32, 8),
+                ("strided", "vllm", True, 16, 2), ("none", "vllm", True, 32, 8), ("t5-bidir", "nhd", False, 16, 2),
+                ("t5-causal", "nhd", True, 16, 1)]
 
 
 @pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma-sync"])
 @pytest.mark.parametrize(("dtype", "head_size"), [("bf16", 128), ("f16", 128), ("bf16", 64), ("f16", 64)])
 def test_both_tensor_core_tilings(rng, split, monkeypatch, wgmma, dtype, head_size):
-    """16-bit head sizes 64 and 128 run the Hopper tiling (wgmma) on devices of compute capability 9.0 and the
-    mma.sync tiling elsewhere (or with prefill.WGMMA = False): each against the reference, and the plan says which."""
+    """16-bit head sizes 64 and 128 without bias or with T5 run the Hopper tiling (wgmma) on devices of compute
+    capability 9.0 and the mma.sync tiling elsewhere (and with prefill.WGMMA = False, a dense bias, or a T5 table
+    that does not fit): each against the reference, and the plan says which."""
     import cupy
 
     monkeypatch.setattr(prefill, "WGMMA", wgmma)
     hopper = int(cupy.cuda.Device().compute_capability) == 90
-    for i, (bias, layout, causal, block_size) in enumerate(HOPPER_CASES):
-        p = make_prefill_problem(rng, SEQS, num_heads=8, num_kv_heads=2 if i % 2 else 8, head_size=head_size,
+    for i, (bias, layout, causal, block_size, kv_heads) in enumerate(HOPPER_CASES):
+        p = make_prefill_problem(rng, SEQS, num_heads=8, num_kv_heads=kv_heads, head_size=head_size,
                                  block_size=block_size, dtype=dtype, kv_layout=layout, bias=bias, bias_dtype=dtype,
                                  alibi=i == 4, causal=causal, extra_table_cols=0)
-        problem = _checks.check_prefill(*p.args(), causal=causal, scale=None, attn_bias=None, alibi_slopes=None,
-                                        kv_layout=layout, out=None)
+        problem = _checks.check_prefill(*p.args(), causal=causal, scale=None, attn_bias=p.attn_bias,
+                                        alibi_slopes=None, kv_layout=layout, out=None,
+                                        bias_arrays=_checks.bias_operands(p.attn_bias))
+        fits = bias not in T5_KINDS or prefill._t5_table_fits(problem)
+        assert fits == (kv_heads != 1), "the case list covers both sides of the T5 table's limit"
         launch = prefill.plan_prefill(problem, 132, wgmma and prefill._runs_sm90a(0))
-        assert launch.spec.wgmma == (wgmma and hopper)
+        assert launch.spec.wgmma == (wgmma and hopper and fits and bias in ("none", *T5_KINDS))
         assert_close(run_cupy(p), paged_prefill_attention_ref(*p.args(), **p.kwargs()), dtype,
-                     f"{bias} {layout} causal={causal} b{block_size} wgmma={wgmma} {split}")
+                     f"{bias} {layout} causal={causal} b{block_size} G={8 // kv_heads} wgmma={wgmma} {split}")
 
 
 def test_single_pass_and_split_k_agree(rng, monkeypatch):

@@ -61,6 +61,9 @@ PREFILL_CASES = [  # (name, make_prefill_problem keywords, force split-K)
                                         bias="t5-bidir", causal=False), False),
     ("prefill-f32-d80-simt", dict(seqs=[(33, 5), (17, 17)], num_heads=6, num_kv_heads=2, head_size=80,
                                   bias="broadcast-rows"), False),
+    # The Hopper tiling (on an H100 / H200) with the vLLM value layout (values gathered by ordinary stores), split-K.
+    ("prefill-f16-d64-vllm-none-split", dict(seqs=[(300, 130), (20, 20)], num_heads=8, num_kv_heads=2, head_size=64,
+                                             dtype="f16", kv_layout="vllm", causal=False), True),
     # Several M tiles of 128 rows and key tiles near and far from them (T5's table), causal tiles skipped per warp.
     ("prefill-bf16-d128-t5-long", dict(seqs=[(450, 450), (700, 260)], num_heads=2, num_kv_heads=2, head_size=128,
                                        dtype="bf16", bias="t5-bidir", causal=True), False),
