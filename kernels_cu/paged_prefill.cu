@@ -614,6 +614,17 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
       for (int kk = 0; kk < PV_STEPS; ++kk) wgmma_rs<T>(acc[0], pa[kk], wgmma_desc(v_tile + kk * 16 * 8, TILE_N * 128));
     }
   };
+  auto run_pv = [&]() {  // the pending P·V (its rescale first), issued and waited for
+    if constexpr (L::kWgmma) {
+      rescale_pending();
+      wgmma_pin(acc[0]);
+      wgmma_fence();
+      issue_pv();
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_pin(acc[0]);
+    }
+  };
 
   for (int tile0 = 0; tile0 < num_tiles; tile0 += RING) {
 #pragma unroll
@@ -841,14 +852,8 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
           pv_stage = st;
           if constexpr (L::kPvDefer) {
             pv_pending = true;
-          } else {  // issued and waited for here
-            rescale_pending();
-            wgmma_pin(acc[0]);
-            wgmma_fence();
-            issue_pv();
-            wgmma_commit();
-            wgmma_wait<0>();
-            wgmma_pin(acc[0]);
+          } else {
+            run_pv();
           }
         } else {
 #pragma unroll
@@ -879,17 +884,7 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
       if (tile + AHEAD + 1 < num_tiles) store_page(tile + AHEAD + 1, t0 + (AHEAD + 1) * TILE_N);
     }
   }
-  if constexpr (L::kWgmma) {  // the last tile's P·V
-    if (pv_pending) {
-      rescale_pending();
-      wgmma_pin(acc[0]);
-      wgmma_fence();
-      issue_pv();
-      wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_pin(acc[0]);
-    }
-  }
+  if (pv_pending) run_pv();  // (Hopper) the last tile's P·V
   cp_async_wait<0>();  // no copy may still be writing shared memory when the CTA exits (or combines in it)
 
   // ---- Epilogue: l over the quad; out = acc / l, or (acc, m, l) for the split-K reduction.
