@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 #: The specialisations timed: one of each kernel family and tiling, at head size 128.
-SPECS = ("decode-fp32", "decode-tensor-cores", "prefill", "prefill-fp32", "cache-write")
+SPECS = ("decode-fp32", "decode-tensor-cores", "prefill", "prefill-hopper", "prefill-fp32", "cache-write")
 
 
 def spec_of(name: str) -> tuple[Any, str, Callable[[int], Any]]:
@@ -44,6 +44,8 @@ def spec_of(name: str) -> tuple[Any, str, Callable[[int], Any]]:
         spec = _compile.PrefillSpec("bf16", 128, "nhd", "dense", _compile.DECODE_KEY_WARPS)
     elif name == "prefill":
         spec = _compile.PrefillSpec("bf16", 128, "nhd", "t5")
+    elif name == "prefill-hopper":  # (sm_90a: an H100 / H200; offline, it compiles for sm_90a whatever ARCH says)
+        spec = _compile.PrefillSpec("bf16", 128, "nhd", "t5", wgmma=True)
     elif name == "prefill-fp32":
         spec = _compile.PrefillSpec("f32", 128, "nhd", "none")
     elif name == "cache-write":
@@ -91,7 +93,8 @@ def offline(names: Sequence[str], arch: str) -> None:
     for name in names:
         spec, filename, _ = spec_of(name)
         start = time.perf_counter()
-        _compile.compile_offline(filename, list(spec.name_expressions()), arch)
+        target = spec.offline_arch(arch) if isinstance(spec, _compile.PrefillSpec) else arch
+        _compile.compile_offline(filename, list(spec.name_expressions()), target or "sm_90a")
         print(f"{name:20s} {spec.key:45s} {time.perf_counter() - start:6.2f} s")
 
 
