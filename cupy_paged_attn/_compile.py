@@ -221,12 +221,12 @@ DECODE_MMA_HEAD_SIZES = tuple(d for d in HEAD_SIZES if d <= 128)
 #: The Hopper tiling of the prefill kernel (wgmma, sm_90a code: devices of compute capability 9.0 exactly): head
 #: sizes, threads (two warpgroups), packed rows per CTA (64 per warpgroup) and keys per tile.
 WGMMA_HEAD_SIZES = (64, 128)
-#: Bias kinds of the Hopper tiling: a dense bias runs faster on the mma.sync tiling (B4 L4096 H32 d128, bf16 bias:
-#: 7.36 against 8.34 ms; its bias fragments overflow the Hopper tiling's 128 registers).
-WGMMA_BIAS_MODES = ("none", "t5")
 WGMMA_THREADS = 256
 _WGMMA_ROWS = 128
 _WGMMA_TILE_KEYS = 64
+#: Bias kinds of the Hopper tiling: a dense bias runs faster on the mma.sync tiling (B4 L4096 H32 d128, bf16 bias:
+#: 7.36 against 8.34 ms; its bias fragments overflow the Hopper tiling's 128 registers).
+WGMMA_BIAS_MODES = ("none", "t5")
 
 
 def _padded_head(head_size: int) -> int:
@@ -275,10 +275,12 @@ def prefill_smem_bytes(dtype: str, head_size: int, key_warps: int = PREFILL_KEY_
     tile = prefill_tile_keys(head_size, key_warps, wgmma)
     rows = _WGMMA_ROWS if wgmma else rows_per_cta(head_size, key_warps)
     decode = key_warps > 1
-    stages = 3 if decode else _PREFILL_STAGES
+    if wgmma:  # three stages where the P·V is deferred (wgmma_deferred), one tile of copies ahead
+        stages, ahead = (3 if head_size <= 64 else 2), 1
+    else:
+        stages = 3 if decode else _PREFILL_STAGES
+        ahead = stages - 1  # tiles in flight while one computes (PrefillLayout::AHEAD)
     rel_table = 0 if decode else PREFILL_REL_TABLE
-    stages = (3 if head_size <= 64 else 2) if wgmma else stages  # (wgmma_deferred)
-    ahead = 1 if wgmma else stages - 1  # tiles in flight while one computes (PrefillLayout::AHEAD)
     align = 1024 if wgmma else 0  # Q and the stages start on the 128-byte swizzle's period
     return (rows * row * 16 + stages * 2 * tile * row * 16 + (ahead + 2) * tile * 8
             + (rel_table + 2 * rows) * 4 + align)
@@ -306,6 +308,11 @@ class PrefillSpec:
     def threads(self) -> int:
         """Threads of one attention CTA."""
         return WGMMA_THREADS if self.wgmma else PREFILL_THREADS
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of one attention CTA (:func:`prefill_smem_bytes` of this tiling)."""
+        return prefill_smem_bytes(self.dtype, self.head_size, self.key_warps, self.wgmma)
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -362,7 +369,7 @@ def get_prefill_kernels(spec: PrefillSpec, device_id: int) -> tuple[Any, Any, An
     names = spec.name_expressions()
     module = _module("paged_prefill.cu", spec.key, names, device_id, spec.options)
     kernel = module.get_function(names[0])
-    smem = prefill_smem_bytes(spec.dtype, spec.head_size, spec.key_warps, spec.wgmma)
+    smem = spec.smem_bytes
     if smem:
         kernel.max_dynamic_shared_size_bytes = smem
     return kernel, module.get_function(names[1]), module.get_function(names[2])

@@ -119,8 +119,7 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int) -> DecodeLaunch:
         tokens_per_part, parts = split_keys(ctas, p.max_len, num_sms, _compile.prefill_tile_keys(p.head_size, kw),
                                             resident=_compile.decode_ctas_per_sm(p.head_size))
         spec = _compile.PrefillSpec(p.dtype, p.head_size, p.kv_layout, p.bias.mode, kw)
-        return DecodeLaunch(spec, (ctas, 1, parts), tokens_per_part, parts, _compile.PREFILL_THREADS,
-                            _compile.prefill_smem_bytes(p.dtype, p.head_size, kw),
+        return DecodeLaunch(spec, (ctas, 1, parts), tokens_per_part, parts, spec.threads, spec.smem_bytes,
                             (ctas, 1, _compile.reduce_chunks(rows, p.head_size)), _compile.PREFILL_REDUCE_THREADS)
     hg = heads_per_cta(p.group_size)
     chunks = -(-p.group_size // hg)

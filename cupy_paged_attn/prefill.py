@@ -114,7 +114,7 @@ def _launch(problem: _checks.PrefillProblem, launch: PrefillLaunch, out: Any, ti
             i32(launch.num_parts),
         ),
         stream=stream,
-        shared_mem=_compile.prefill_smem_bytes(p.dtype, p.head_size, wgmma=launch.spec.wgmma),
+        shared_mem=launch.spec.smem_bytes,
     )
     if launch.num_parts > 1:
         reduce_kernel(

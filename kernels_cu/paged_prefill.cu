@@ -35,9 +35,10 @@
 // Hopper tiling (WG = true; sm_90a, float16 / bfloat16, head sizes 64 and 128, prefill): 8 warps as two warpgroups of
 // 64 rows (128 rows per CTA, as above), wgmma (wgmma.cuh) instead of mma.sync: S = Q·Kᵀ with Q and the K tile read
 // by the tensor cores from shared memory (128-byte swizzled tiles instead of padded rows), O += P·V with P from
-// registers. A tile's P·V is issued with the next tile's S and runs during that tile's softmax (three K/V stages,
-// one tile of copies ahead); the logits, masks, bias and softmax are the code above, on the same fragment layout.
-// One CTA per SM at head size 128 (200 registers), two at 64.
+// registers; the logits, masks, bias and softmax are the code above, on the same fragment layout. Two CTAs per SM
+// (128 registers), one tile of copies ahead. At head size 64 a tile's P·V is issued with the next tile's S and runs
+// during that tile's softmax (three K/V stages); at 128 it is waited for in its tile (two stages: see
+// wgmma_deferred). T5 only through the CTA's table (kT5TableOnly); a dense bias runs on the mma.sync tiling.
 //
 // Tiles: a host-sized grid of M tiles over all sequences, mapped to (sequence, tile of that sequence) by
 // paged_prefill_plan (device side: the host never reads query_start_loc). With several partitions (split-K, when
@@ -179,7 +180,7 @@ __host__ __device__ constexpr int rows_per_cta(int head, int key_warps) {
 template <typename T, int HEAD, int KEY_WARPS, bool WG = false>
 struct PrefillLayout {
   static constexpr bool kDecode = KEY_WARPS > 1;
-  static constexpr bool kWgmma = WG;  // the Hopper tiling (see wgmma_head)
+  static constexpr bool kWgmma = WG;  // the Hopper tiling (see the file's header and wgmma_deferred)
   static constexpr int THREADS = WG ? kWgmmaThreads : kPrefillThreads;
   static constexpr int WARPS = THREADS / kWarpSize;
   static constexpr int MT = WG ? 1 : prefill_m_tiles(HEAD, KEY_WARPS);  // m tiles (16 rows each) per warp
@@ -841,7 +842,7 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
         // ---- O += P·V: the S accumulators of n tiles 2kk, 2kk + 1 are the A fragment of keys 16kk ... 16kk + 15
         // (of the warp's keys); each V fragment feeds the MT m tiles. Hopper: P from registers, V from shared
         // memory MN-major, TILE_N / 16 wgmmas of 64 rows x HEAD columns, issued one iteration later (pv_pending).
-        if constexpr (L::kWgmma) {  // issued with the next tile's S (or by finish_pv)
+        if constexpr (L::kWgmma) {  // issued with the next tile's S (kPvDefer), else here, by run_pv
 #pragma unroll
           for (int kk = 0; kk < PV_STEPS; ++kk) {
             pa[kk][0] = pack2<T>(sacc[0][2 * kk][0], sacc[0][2 * kk][1]);

@@ -59,12 +59,13 @@ __device__ __forceinline__ void wgmma_pin(float (&d)[NT][4]) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[nt][e])::"memory");
 }
-// The accumulator operand lists: N = 64 (8 n tiles, 32 registers) and N = 128 (16 n tiles, 64 registers).
+
 template <typename T>
 constexpr bool kIsBf16 = false;
 template <>
 constexpr bool kIsBf16<__nv_bfloat16> = true;
 
+// The accumulator operand lists: N = 64 (8 n tiles, 32 registers) and N = 128 (16 n tiles, 64 registers).
 #define CPA_WG_D4(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
 #define CPA_WG_OUT64 \
   CPA_WG_D4(0), CPA_WG_D4(1), CPA_WG_D4(2), CPA_WG_D4(3), CPA_WG_D4(4), CPA_WG_D4(5), CPA_WG_D4(6), CPA_WG_D4(7)
