@@ -35,11 +35,11 @@ SPECS = ("decode-fp32", "decode-tensor-cores", "prefill", "prefill-hopper", "pre
 
 def spec_of(name: str) -> tuple[Any, str, Callable[[int], Any]]:
     """``(spec, source file, fetch)`` of a named specialisation; ``fetch(device)`` compiles or loads it."""
-    from cupy_paged_attn import _compile, decode
+    from cupy_paged_attn import _compile
 
     if name == "decode-fp32":
         spec = _compile.DecodeSpec("bf16", 128, "nhd", 1, "dense")
-        return spec, "paged_decode.cu", lambda dev: _compile.get_decode_kernels(spec, dev, decode._STAGE_BYTES)
+        return spec, "paged_decode.cu", lambda dev: _compile.get_decode_kernels(spec, dev, spec.smem_bytes)
     if name == "decode-tensor-cores":
         spec = _compile.PrefillSpec("bf16", 128, "nhd", "dense", _compile.DECODE_KEY_WARPS)
     elif name == "prefill":

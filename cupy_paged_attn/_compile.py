@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,13 @@ def kernel_source(filename: str) -> str:
     return re.sub(r'^#include "([^"]+)"\s*$', inline, text, flags=re.MULTILINE)
 
 
+DECODE_THREADS = 256  # kDecodeThreads in paged_decode.cu
+#: DecodeLayout::kSmemBytes: kStages x (K, V) x kVecsPerThread x 16 B of stages, then kStages x kMaxDecodeTile key
+#: flags.
+DECODE_SMEM_BYTES = 3 * 2 * 2 * DECODE_THREADS * 16 + 3 * 128
+DECODE_T5_NEAR_DISTANCES = 128  # kT5NearDistances in common.cuh
+
+
 @dataclass(frozen=True)
 class DecodeSpec:
     """Compile-time choices of one decode kernel."""
@@ -73,6 +81,12 @@ class DecodeSpec:
             f"paged_decode_{self.dtype}_d{self.head_size}_{self.layout}"
             f"_g{self.heads_per_cta}_bias-{self.bias}"
         )
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of the kernel (DecodeLayout::kSmemBytes, plus kNearBytes with a T5 bias)."""
+        near = self.heads_per_cta * DECODE_T5_NEAR_DISTANCES * 4 if self.bias == "t5" else 0
+        return DECODE_SMEM_BYTES + near
 
     def name_expressions(self) -> tuple[str, str]:
         """The kernel and its split-K reduction, as NVRTC name expressions."""
@@ -153,15 +167,25 @@ def _module(filename: str, key: str, names: tuple[str, ...], device_id: int,
     return module
 
 
+_SMEM_ATTRIBUTE_LOCK = threading.Lock()
+
+
 @functools.cache
-def get_decode_kernels(spec: DecodeSpec, device_id: int, dynamic_smem: int) -> tuple[Any, Any]:
-    """The compiled ``(paged_decode, paged_decode_reduce)`` pair of ``spec`` on ``device_id``, the first allowed
-    ``dynamic_smem`` bytes of dynamic shared memory (past the default 48 KB, CUDA wants it said)."""
+def _decode_kernels(spec: DecodeSpec, device_id: int) -> tuple[Any, Any]:
     names = spec.name_expressions()
     module = _module("paged_decode.cu", spec.key, names, device_id)
-    kernel = module.get_function(names[0])
-    kernel.max_dynamic_shared_size_bytes = dynamic_smem
-    return kernel, module.get_function(names[1])
+    return module.get_function(names[0]), module.get_function(names[1])
+
+
+def get_decode_kernels(spec: DecodeSpec, device_id: int, dynamic_smem: int) -> tuple[Any, Any]:
+    """The compiled ``(paged_decode, paged_decode_reduce)`` pair of ``spec`` on ``device_id``, the first allowed
+    at least ``dynamic_smem`` bytes of dynamic shared memory (past the default 48 KB, CUDA wants it said; a split
+    launch asks for more than the kernel needs, to cap its CTAs per SM)."""
+    kernel, reduce_kernel = _decode_kernels(spec, device_id)
+    with _SMEM_ATTRIBUTE_LOCK:  # plans of two threads must not lower each other's limit
+        if kernel.max_dynamic_shared_size_bytes < dynamic_smem:
+            kernel.max_dynamic_shared_size_bytes = dynamic_smem
+    return kernel, reduce_kernel
 
 
 @functools.cache

@@ -14,9 +14,8 @@ from . import _checks, _compile, _interop, reference
 
 __all__ = ["DecodePlan", "paged_attention"]
 
-_THREADS = 256  # kDecodeThreads in paged_decode.cu
+_THREADS = _compile.DECODE_THREADS
 _REDUCE_THREADS = 128  # kReduceThreads
-_STAGE_BYTES = 3 * 2 * 2 * _THREADS * 16  # DecodeLayout::kStageBytes: kStages x (K, V) x kVecsPerThread x 16 B
 _TILE_MULTIPLE = 128  # every specialisation's TILE divides this
 # A split-K partition holds more than half this many keys. 128 rather than 256: in the latency case (B1 H16 d64 L1024)
 # 8 partitions instead of 4 cost the same without a bias and less with one (H200: dense 11.8 -> 11.4 us, T5 12.5 ->
@@ -24,6 +23,11 @@ _TILE_MULTIPLE = 128  # every specialisation's TILE divides this
 _MIN_PART_TOKENS = 128
 _SPLIT_BELOW_CTAS_PER_SM = 2  # fewer CTAs than this per SM cannot hide memory latency: split the keys
 _CTAS_PER_SM_TARGET = 4  # then split until the grid holds about this many CTAs per SM
+# A split grid of the FP32 kernel runs at most this many CTAs per SM, though one query head per CTA leaves registers
+# for four (DecodeLayout::kMinCtas): it asks for enough shared memory that a fourth does not fit. H200, B8 H16 d64
+# L4096-131072 (5 partitions): 569.6 -> 534.5 us without a bias, 611.4 -> 566.1 dense (benchmarks/NOTES.md,
+# session 9); unsplit grids are faster at four (B64 d64 L2048: 137.3 -> 133.1 us).
+_SPLIT_CTAS_PER_SM = 3
 #: Grouped-query decode runs on the tensor cores (paged_prefill.cu's decode tiling) from this group size up, for
 #: float16 / bfloat16 and head sizes up to 128: its FP32 loop costs ~80 instructions per (token, query head).
 TENSOR_CORE_MIN_GROUP = 2
@@ -38,6 +42,24 @@ def _num_sms(device: int) -> int:
     import cupy
 
     return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+
+
+@functools.cache
+def _smem_per_sm(device: int) -> tuple[int, int]:
+    """Shared memory of one SM, and what CUDA reserves of it per resident CTA (bytes)."""
+    import cupy
+
+    attributes = cupy.cuda.Device(device).attributes
+    return (int(attributes["MaxSharedMemoryPerMultiprocessor"]),
+            int(attributes.get("ReservedSharedMemoryPerBlock", 1024)))
+
+
+def occupancy_smem(smem: int, ctas_per_sm: int, smem_per_sm: tuple[int, int]) -> int:
+    """Dynamic shared memory to ask for so that at most ``ctas_per_sm`` CTAs fit on one SM: ``smem`` (what the
+    kernel needs), or more when ``ctas_per_sm + 1`` CTAs of ``smem`` bytes would fit."""
+    per_sm, reserved = smem_per_sm
+    cap = -(-(per_sm // (ctas_per_sm + 1) - reserved + 1) // 128) * 128  # the least that keeps one more CTA out
+    return max(smem, cap) if ctas_per_sm * (cap + reserved) <= per_sm else smem
 
 
 def heads_per_cta(group_size: int) -> int:
@@ -103,11 +125,13 @@ def split_keys(ctas: int, max_len: int, num_sms: int, tile: int, resident: int |
     return tokens_per_part, max(1, -(-max_len // tokens_per_part))
 
 
-def plan_decode(problem: _checks.DecodeProblem, num_sms: int) -> DecodeLaunch:
+def plan_decode(problem: _checks.DecodeProblem, num_sms: int,
+                smem_per_sm: tuple[int, int] | None = None) -> DecodeLaunch:
     """Choose the kernel and the split: one partition when the grid already fills the GPU, else split the keys.
 
     The split is chosen from shapes only (``max_len``, the block table's capacity), never from ``seq_lens``, so
-    planning reads no device data.
+    planning reads no device data. ``smem_per_sm`` (:func:`_smem_per_sm`) lets a split grid of the FP32 kernel cap
+    its CTAs per SM (``_SPLIT_CTAS_PER_SM``); without it the kernel's shared memory alone decides.
     """
     p = problem
     if uses_tensor_cores(p):
@@ -125,8 +149,11 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int) -> DecodeLaunch:
     chunks = -(-p.group_size // hg)
     tokens_per_part, parts = split_keys(p.num_seqs * p.num_kv_heads * chunks, p.max_len, num_sms, _TILE_MULTIPLE)
     spec = _compile.DecodeSpec(p.dtype, p.head_size, p.kv_layout, hg, p.bias.mode)
+    smem = spec.smem_bytes
+    if parts > 1 and smem_per_sm is not None:
+        smem = occupancy_smem(smem, _SPLIT_CTAS_PER_SM, smem_per_sm)
     return DecodeLaunch(spec, (p.num_seqs * p.num_kv_heads * chunks, 1, parts), tokens_per_part, parts, _THREADS,
-                        _STAGE_BYTES, (p.num_seqs, p.num_heads, 1), _REDUCE_THREADS)
+                        smem, (p.num_seqs, p.num_heads, 1), _REDUCE_THREADS)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -364,11 +391,11 @@ class DecodePlan:
         self._framework = framework
         self._out_dtype = _interop.signature(like, framework)[0] if framework in ("torch", "cupy") else None
         self._device = device
-        self._launch = launch = plan_decode(problem, _num_sms(device))
+        self._launch = launch = plan_decode(problem, _num_sms(device), _smem_per_sm(device))
         if isinstance(launch.spec, _compile.PrefillSpec):
             kernel, reduce_kernel, _ = _compile.get_prefill_kernels(launch.spec, device)
         else:
-            kernel, reduce_kernel = _compile.get_decode_kernels(launch.spec, device, _STAGE_BYTES)
+            kernel, reduce_kernel = _compile.get_decode_kernels(launch.spec, device, launch.shared_mem)
         with _interop.on_device(device):  # CuPy holds a CUfunction per device
             self._function, self._reduce_function = kernel.kernel.ptr, reduce_kernel.kernel.ptr
         self._args = _PackedArgs(_kernel_arguments(problem, launch))

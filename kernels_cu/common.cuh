@@ -37,6 +37,16 @@ __host__ __device__ constexpr int pow2_floor(int n) {
 
 // +infinity (NVRTC has no <cmath> INFINITY).
 __device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
+constexpr float kLog2e = 1.4426950408889634f;  // softmaxes run in base 2: e^x = 2^(x·log2 e)
+constexpr float kRescaleSlack = 8.0f;  // base 2: how far a tile's max may pass a row's softmax reference (p <= 256)
+
+// 2^x by the special-function unit alone (one MUFU.EX2; exp2f adds range fix-ups around it). Results below 2^-126
+// flush to zero, which a softmax weight never misses; 2^-inf = 0.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // Programmatic dependent launch (sm_90 and later; no-ops before, and when the launch did not ask for it). An
 // attention kernel lets its split-K reduction launch at once; the reduction waits for the attention kernel's grid
@@ -173,6 +183,18 @@ struct PagedCache {
     return LAYOUT == KvLayout::kNHD ? VEC : VEC << block_shift;
   }
 
+  // Elements between consecutive tokens' vectors of one head within a page:
+  // page_offset(off, kvh, c) = page_offset(0, kvh, c) + off·token_stride().
+  __device__ __forceinline__ int token_stride() const {
+    return LAYOUT == KvLayout::kNHD ? num_kv_heads * HEAD : VEC;
+  }
+  // Offset in elements, from the start of either cache, of the element at in-page offset `at` (a page_offset) of
+  // page blk. blk must be a valid page index (0 <= blk < num_blocks): its product with the 64-bit stride is then an
+  // unsigned 32 x 64-bit multiply, without the sign extension.
+  __device__ __forceinline__ long long element_offset(int blk, int at) const {
+    return static_cast<long long>(static_cast<unsigned>(blk)) * block_stride + at;
+  }
+
   __device__ __forceinline__ const T* key_vec(long long blk, int off, int kvh, int c) const {
     return key + blk * block_stride + page_offset(off, kvh, c);
   }
@@ -276,6 +298,7 @@ struct StridedRow {
 
 struct NoBias {
   static constexpr bool enabled = false;
+  static constexpr bool kNearTable = false;
   using Raw = unsigned;
   struct Seq {
     struct Row {
@@ -294,6 +317,7 @@ struct NoBias {
 // Its length was checked on the host: the kernels' max_len never exceeds it.
 struct DenseBias {
   static constexpr bool enabled = true;
+  static constexpr bool kNearTable = false;
   using Raw = unsigned;
   BiasArgs a;
   struct Seq {
@@ -317,6 +341,7 @@ struct DenseBias {
 // row outside [0, n) is read: a sequence whose rows are missing is cut short (validate=True reports it).
 struct RaggedBias {
   static constexpr bool enabled = true;
+  static constexpr bool kNearTable = false;
   using Raw = unsigned;
   BiasArgs a;
   struct Seq {
@@ -345,8 +370,11 @@ struct RaggedBias {
 // a distance comes from a small table (index, built on the host from the exact float32 definition, so host and
 // device agree bit for bit); distances >= max_distance (n) share its last entry. Bidirectional (m > 0): keys after
 // the query use the upper m buckets. Causal (m = 0): they all fall in bucket 0.
+constexpr int kT5NearDistances = 128;  // T5's default max_distance: every near key of a standard T5 table
+
 struct T5Bias {
   static constexpr bool enabled = true;
+  static constexpr bool kNearTable = true;  // the FP32 decode kernel keeps a near-weight table (Seq::Row)
   using Raw = unsigned;
   BiasArgs a;
   // Most keys of a long sequence are far from the query: their bucket needs no table read, so the weight's load
@@ -361,24 +389,36 @@ struct T5Bias {
     BiasArgs a;  // a copy: registers, never a pointer into the CTA's locals
     int far;
     // One query row of the FP32 decode kernel, whose keys are all at or before the query (j <= p). The weight of
-    // the far keys is read once: a far key (most of a long sequence) costs a compare and no load.
+    // the far keys is read once: a far key (most of a long sequence) costs a compare and no load. The weights of
+    // the kT5NearDistances distances nearest the query come from a table in the CTA's shared memory (near, filled
+    // by near_bucket / near_weight before the first key's bias is loaded): a near key costs a shared-memory load,
+    // not a bucket load and a weight load behind seq_lens. Other keys (max_distance > kT5NearDistances) read both.
     struct Row {
       const void* ptr;
       const int* index;
       long long bucket_stride, head_at;  // the table's bucket stride, head h's offset
       int dtype, n, p;
       Raw far_bits;
+      const Raw* near;  // shared memory: near[d] = the weight bits of distance d < kT5NearDistances
       __device__ __forceinline__ Raw load(int j) const {
         const int distance = p - j;
-        return distance >= n ? far_bits : load_bias_bits(ptr, __ldg(index + distance) * bucket_stride + head_at, dtype);
+        if (distance >= n) return far_bits;
+        if (distance < kT5NearDistances) return near[distance];
+        return load_bias_bits(ptr, __ldg(index + distance) * bucket_stride + head_at, dtype);
       }
     };
     __device__ __forceinline__ int limit(int len) const { return len; }
     __device__ __forceinline__ Raw load(int h, int, int p, int j) const { return load_at(a, far, h, p, j); }
-    __device__ __forceinline__ Row row(int h, int, int p) const {
+    __device__ __forceinline__ Row row(int h, int, int p, const Raw* near) const {
       const long long head_at = h * a.stride[1];
       return {a.ptr, a.index, a.stride[0], head_at, a.dtype, a.n, p,
-              load_bias_bits(a.ptr, far * a.stride[0] + head_at, a.dtype)};
+              load_bias_bits(a.ptr, far * a.stride[0] + head_at, a.dtype), near};
+    }
+    // The bucket of a key at distance d (0 <= d) before the query, and a bucket's weight for head h: the near
+    // table's entries, in two steps so that a kernel issues the bucket loads first and the weights later.
+    __device__ __forceinline__ int near_bucket(int d) const { return __ldg(a.index + min(d, a.n)); }
+    __device__ __forceinline__ Raw near_weight(int bucket, int h) const {
+      return load_bias_bits(a.ptr, bucket * a.stride[0] + h * a.stride[1], a.dtype);
     }
   };
   static __device__ __forceinline__ T5Bias make(const BiasArgs& args) { return {args}; }

@@ -70,14 +70,6 @@ __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const un
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// 2^x by the special-function unit alone (one MUFU.EX2; exp2f adds range fix-ups around it). Results below 2^-126
-// flush to zero, which a softmax weight never misses; 2^-inf = 0.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Two floats as one register of two 16-bit elements (x in the low half), rounded to nearest.
 template <typename T>
 __device__ __forceinline__ unsigned pack2(float x, float y);

@@ -3,6 +3,7 @@
 //
 //   x_h(j)   = scale·<q_h, k_j> + alibi_h·(j − len + 1) + bias(s, h, j)        for key positions j < len
 //   out_h    = Σ_j softmax_j(x_h)·v_j                                          (float32 math, any storage dtype)
+// The kernels hold x·log2(e) and take powers of 2 (one MUFU.EX2 each), so m below is in those units.
 //
 // One CTA per (sequence, KV head, chunk of up to HG query heads of that KV head's group, partition of the keys):
 // blockIdx.x = (s·num_kv_heads + kvh)·chunks + chunk, so that the CTAs of one sequence run side by side (a
@@ -10,7 +11,7 @@
 // blockIdx.z = partition.
 // The CTA reads each key/value page of its partition once for all its query heads, in tiles of TILE tokens
 // pipelined through shared memory, with an online softmax across tiles:
-//   m = running max of x, l = running sum of exp(x − m), acc = running Σ exp(x − m)·v.
+//   m = a reference for x (at most kRescaleSlack below the running max), l = Σ 2^(x − m), acc = Σ 2^(x − m)·v.
 // With one partition the CTA writes out = acc / l. With several (split-K, for long contexts or few CTAs) each
 // writes (acc, m, l) to a workspace and paged_decode_reduce combines the partitions.
 #include "common.cuh"
@@ -24,14 +25,16 @@ constexpr int kDecodeThreads = 256;
 constexpr int kVecsPerThread = 2;  // 16-byte key (and as many value) vectors each thread copies per tile
 constexpr int kStages = 3;         // shared-memory pipeline depth: kStages − 1 tiles in flight while one computes
 // Tuning knobs, overridable with -D for experiments (benchmarks/run_case.py --define): CTAs per SM the register
-// budget must allow, and whether a token's lanes may take two vectors each (fewer shuffles per dot product).
+// budget must allow (0: DecodeLayout::kMinCtas decides), and whether a token's lanes may take two vectors each
+// (fewer shuffles per dot product).
 #ifndef CPA_MIN_CTAS_PER_SM
-#define CPA_MIN_CTAS_PER_SM 3
+#define CPA_MIN_CTAS_PER_SM 0
 #endif
 #ifndef CPA_TWO_VECS_PER_LANE
 #define CPA_TWO_VECS_PER_LANE 1
 #endif
 constexpr int kReduceThreads = 128;
+constexpr int kMaxDecodeTile = 128;  // tokens of the largest tile (16-bit head size 32)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Layout of one specialisation.
@@ -58,10 +61,20 @@ struct DecodeLayout {
   static constexpr int TPT = TILE / TZ;            // tokens per thread per tile
   static constexpr int KPL = (TPT + TX - 1) / TX;  // of those, tokens whose bias this lane adds
   static constexpr int kStageVecs = kVecsPerThread * kDecodeThreads;  // per tensor: K_s and V_s are [TILE][NVEC]
+  // CTAs per SM the register budget allows: four (64 registers) with one query head per CTA, whose state fits
+  // them without spills; three (80) with more heads, whose bias rings and epilogue need the room. Four CTAs of
+  // ~50 KB of shared memory fit an H100 / H200 SM (228 KB); elsewhere the occupancy is what shared memory allows.
+  static constexpr int kMinCtas = CPA_MIN_CTAS_PER_SM > 0 ? CPA_MIN_CTAS_PER_SM : HG == 1 ? 4 : 3;
   static constexpr int kStageBytes = kStages * 2 * kStageVecs * kVecBytes;
+  // After the stages, one byte per token and stage: the token is a key (set by the thread that copies its first
+  // vector, read by the lane that adds its bias). Sized for the largest tile, so every specialisation asks the same.
+  static constexpr int kSmemBytes = kStageBytes + kStages * kMaxDecodeTile;
+  // With a T5 bias, then the near-weight table of each head: [HG][kT5NearDistances] raw bits (T5Bias::Seq::Row).
+  static constexpr int kNearBytes = HG * kT5NearDistances * 4;
   static_assert(HEAD % VEC == 0, "head size must be a whole number of 16-byte vectors");
   static_assert(TX * HG <= kDecodeThreads && TPT >= 1 && TILE % TZ == 0, "every thread owns whole tokens");
   static_assert(TILE * NVEC <= kStageVecs, "a tile fits its stage");
+  static_assert(TILE <= kMaxDecodeTile, "a tile's key flags fit theirs");
   static_assert((TZ * HG * HEAD + 2 * TZ * HG) * 4 <= kStageBytes, "the epilogue reuses the stage buffers");
 };
 
@@ -77,7 +90,7 @@ struct DecodeLayout {
 // tile hands the stage over; the softmax needs none.
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T, int HEAD, KvLayout LAYOUT, int HG, typename Bias>
-__global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_decode(
+__global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMinCtas) paged_decode(
     T* __restrict__ out, long long out_stride_s, long long out_stride_h,  // [num_seqs, num_heads, HEAD]
     float* __restrict__ part_acc,  // [num_seqs, num_heads, num_parts, HEAD], used when num_parts > 1
     float* __restrict__ part_ml,   // [num_seqs, num_heads, num_parts, 2] = (m, l), used when num_parts > 1
@@ -97,6 +110,11 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
   launch_dependents();  // the split-K reduction may start (it waits for this grid before reading)
 
   extern __shared__ uint4 stage_s[];  // [kStages][K, V][TILE][NVEC]; then the epilogue's [TZW][HG][HEAD + 2]
+  // [kStages][TILE]: token t of the tile in stage st is a key (in the sequence, and its block id in the cache).
+  unsigned char* key_s = reinterpret_cast<unsigned char*>(stage_s) + L::kStageBytes;
+  // T5 only, [HG][kT5NearDistances]: head g's weight bits of the keys at distance d < kT5NearDistances before the
+  // query.
+  auto* near_s = reinterpret_cast<typename Bias::Raw*>(reinterpret_cast<unsigned char*>(stage_s) + L::kSmemBytes);
 
   const int num_chunks = (group_size + HG - 1) / HG;
   const int s = static_cast<int>(blockIdx.x) / (num_kv_heads * num_chunks);
@@ -129,29 +147,38 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
   const bool head_used = ty < nh;
   const int h = head0 + ty;
 
-  // This thread's head: scale·q and the alibi slope, in registers for the whole CTA.
+  // This thread's head: scale·log2(e)·q and the alibi slope, in registers for the whole CTA.
+  const float scale2 = scale * kLog2e;
   float q[VPL][VEC];
 #pragma unroll
   for (int v = 0; v < VPL; ++v)
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
       const int c = tx + v * TX;
-      q[v][e] = head_used && c < NVEC ? scale * to_float(query[s * q_stride_s + h * q_stride_h + c * VEC + e]) : 0.0f;
+      q[v][e] = head_used && c < NVEC ? scale2 * to_float(query[s * q_stride_s + h * q_stride_h + c * VEC + e]) : 0.0f;
     }
   const float slope = alibi_slopes != nullptr && head_used ? alibi_slopes[h] : 0.0f;
   typename Bias::Seq::Row bias_row;  // this thread's head's bias, set once the first copies are issued
 
   // ---- Prefetch rings, one slot per stage (a tile's slot is its index mod kStages).
-  int cblk_r[kStages][kVecsPerThread];      // copy side: block id of each vector this thread copies
-  int xblk_r[kStages][KPL];                 // score side: block id of each token whose bias this lane adds
-  bool ok_r[kStages][KPL];                  // ... that token is a key (in the sequence and the cache)
-  typename Bias::Raw bias_r[kStages][KPL];  // ... and its bias for head ty, raw bits
+  int cblk_r[kStages][kVecsPerThread];      // block id of each vector this thread copies
+  typename Bias::Raw bias_r[kStages][KPL];  // bias for head ty, raw bits, of each token whose bias this lane adds
 
   auto k_s = [&](int st, int t, int c) -> uint4* { return &stage_s[(st * 2 * TILE + t) * NVEC + c]; };
   auto v_s = [&](int st, int t, int c) -> uint4* { return &stage_s[((st * 2 + 1) * TILE + t) * NVEC + c]; };
-  auto is_key = [&](int j, int blk) -> bool { return j < end && blk >= 0 && blk < num_blocks; };
+  // A block id outside the cache is never dereferenced: the key is skipped (validate=True reports it).
+  auto is_key = [&](int j, int blk) -> bool {
+    return j < end && static_cast<unsigned>(blk) < static_cast<unsigned>(num_blocks);
+  };
+  // Where this thread's copies go within a page: vector idx = tid + k·kDecodeThreads of a tile is token
+  // idx / NVEC, vector c = idx % NVEC, at page_offset(0, kvh, c) + (token's offset in its page)·token_stride.
+  // Kept from here so that a copy's address is one multiply-add and the page's 64-bit offset.
+  const int token_stride = cache.token_stride();
+  int copy_at[kVecsPerThread];
+#pragma unroll
+  for (int k = 0; k < kVecsPerThread; ++k) copy_at[k] = cache.page_offset(0, kvh, (tid + k * kDecodeThreads) % NVEC);
 
-  // Block ids of tile t0, for its copies and its logits, into ring slot st.
+  // Block ids of tile t0's copies into ring slot st.
   auto fetch_ids = [&](int st, int t0) {
 #pragma unroll
     for (int k = 0; k < kVecsPerThread; ++k) {
@@ -159,15 +186,9 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
       cblk_r[st][k] = -1;
       if (idx < TILE * NVEC && t0 + idx / NVEC < fetch_end) cblk_r[st][k] = table[(t0 + idx / NVEC) >> block_shift];
     }
-#pragma unroll
-    for (int i = 0; i < KPL; ++i) {
-      const int k = tx + i * TX;
-      const int j = t0 + tz + k * TZ;
-      xblk_r[st][i] = -1;
-      if (k < TPT && j < fetch_end) xblk_r[st][i] = table[j >> block_shift];
-    }
   };
-  // Tile t0 into slot st: its keys and values into shared memory (one cp.async group).
+  // Tile t0 into slot st: its keys and values into shared memory (one cp.async group), and its key flags (read
+  // after the barrier of tile t0's turn, kAhead barriers later).
   auto issue = [&](int st, int t0) {
 #pragma unroll
     for (int k = 0; k < kVecsPerThread; ++k) {
@@ -176,13 +197,15 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
         const int t = idx / NVEC;
         const int c = idx % NVEC;
         const int j = t0 + t;
-        const long long blk = cblk_r[st][k];
-        // A block id outside the cache is never dereferenced: the key is skipped (validate=True reports it).
-        const bool copy = is_key(j, static_cast<int>(blk));
+        const int blk = cblk_r[st][k];
+        const bool copy = is_key(j, blk);
         const int off = j & block_mask;
-        cp_async16(k_s(st, t, c), copy ? cache.key_vec(blk, off, kvh, c) : key_cache, copy ? kVecBytes : 0);
+        // The page's offset, the same in both caches (0 for a token that is no key: its copy reads nothing).
+        const long long at = copy ? cache.element_offset(blk, off * token_stride + copy_at[k]) : 0;
+        cp_async16(k_s(st, t, c), key_cache + at, copy ? kVecBytes : 0);
+        if (c == 0) key_s[st * TILE + t] = copy;
         if constexpr (Cache::kValueIsVector) {
-          cp_async16(v_s(st, t, c), copy ? cache.value_vec(blk, off, kvh, c) : value_cache, copy ? kVecBytes : 0);
+          cp_async16(v_s(st, t, c), value_cache + at, copy ? kVecBytes : 0);
         } else {
           *v_s(st, t, c) = copy ? cache.gather_value(blk, off, kvh, c) : make_uint4(0u, 0u, 0u, 0u);
         }
@@ -190,16 +213,15 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
     }
     cp_async_commit();
   };
-  // Tile t0's bias (and key flags) into slot st. Apart from issue so that the prologue issues both tiles' copies
-  // before either tile's bias: a T5 bias near the query is a chain of two loads (bucket, weight) that would hold
-  // back the second tile's copies.
+  // Tile t0's bias into slot st. Apart from issue so that the prologue issues both tiles' copies before either
+  // tile's bias: a T5 bias near the query is a chain of two loads (bucket, weight) that would hold back the second
+  // tile's copies.
   auto issue_bias = [&](int st, int t0) {
+    if constexpr (Bias::enabled) {
 #pragma unroll
-    for (int i = 0; i < KPL; ++i) {
-      const int k = tx + i * TX;
-      const int j = t0 + tz + k * TZ;
-      ok_r[st][i] = k < TPT && is_key(j, xblk_r[st][i]);
-      if constexpr (Bias::enabled) {
+      for (int i = 0; i < KPL; ++i) {
+        const int k = tx + i * TX;
+        const int j = t0 + tz + k * TZ;
         bias_r[st][i] = typename Bias::Raw{};
         if (k < TPT && j < end && head_used) bias_r[st][i] = bias_row.load(j);
       }
@@ -215,17 +237,34 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
 #pragma unroll
     for (int e = 0; e < VEC; ++e) acc[v][e] = 0.0f;
 
+  // Prologue. Every load that waits on no other goes first (block ids, T5's near buckets); a load whose address is
+  // a load (T5's weights) only once the first tiles' copies are out; a register copy of a pending load (the bias
+  // ring: T5's far weight) last, since the thread waits there (no register renaming on a GPU).
+  static_assert(kT5NearDistances <= kDecodeThreads, "a thread per near distance");
+  int near_bucket = 0;
+  if constexpr (Bias::kNearTable) {
+    if (tid < kT5NearDistances) near_bucket = seq_bias.near_bucket(tid);
+  }
 #pragma unroll
   for (int t = 0; t < kAhead; ++t) fetch_ids(t, start + t * TILE);
 #pragma unroll
   for (int t = 0; t < kAhead; ++t) issue(t, start + t * TILE);
-  // Made here, not above: a T5 row loads its far keys' weight at a bucket that is itself a load, and the thread
-  // would wait for the bucket before issuing the copies.
-  bias_row = seq_bias.row(h, 0, len - 1);
-#pragma unroll
-  for (int t = 0; t < kAhead; ++t) issue_bias(t, start + t * TILE);
 #pragma unroll
   for (int t = kAhead; t < 2 * kAhead; ++t) fetch_ids(t % kStages, start + t * TILE);
+  if constexpr (Bias::kNearTable) {
+    bias_row = seq_bias.row(h, 0, len - 1, near_s + ty * kT5NearDistances);
+    if (tid < kT5NearDistances) {
+#pragma unroll
+      for (int g = 0; g < HG; ++g) {
+        if (g < nh) near_s[g * kT5NearDistances + tid] = seq_bias.near_weight(near_bucket, head0 + g);
+      }
+    }
+    __syncthreads();  // the table is complete before any thread loads a bias from it
+  } else {
+    bias_row = seq_bias.row(h, 0, len - 1);
+  }
+#pragma unroll
+  for (int t = 0; t < kAhead; ++t) issue_bias(t, start + t * TILE);
 
   for (int t_base = start; t_base < end; t_base += kStages * TILE) {
 #pragma unroll
@@ -260,30 +299,35 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
         if (tx == k % TX) {
           float extra = slope * static_cast<float>(t0 + t - len + 1);
           if constexpr (Bias::enabled) extra += bias.value(bias_r[st][k / TX]);
-          dot = ok_r[st][k / TX] ? dot + extra : -inf();
+          dot = key_s[st * TILE + t] ? fmaf(extra, kLog2e, dot) : -inf();
         }
         x[k] = group_sum<TX>(dot);
       }
 
-      // ---- Online softmax: m_new = max(m, max_k x_k), α = exp(m − m_new), p_k = exp(x_k − m_new).
+      // ---- Online softmax: when max_k x_k exceeds m by more than kRescaleSlack, m moves to it and l and acc are
+      // rescaled by α = 2^(m − m_new) (0 at the first key, while m = −inf); then p_k = 2^(x_k − m) ≤ 2^kRescaleSlack.
+      // Most tiles skip the rescale (FlashAttention-4's conditional rescaling); acc / l is the same softmax
+      // whatever reference m was used.
       float m_new = m;
 #pragma unroll
       for (int k = 0; k < TPT; ++k) m_new = fmaxf(m_new, x[k]);
-      // While every key so far is masked (m_new = −inf) nothing accumulates: α = 1 and p = 0, never NaN.
-      const bool empty = m_new == -inf();
-      const float alpha = empty ? 1.0f : __expf(m - m_new);
-      m = m_new;
-      l *= alpha;
+      if (m_new > m + kRescaleSlack) {
+        const float alpha = fast_exp2(m - m_new);
+        m = m_new;
+        l *= alpha;
 #pragma unroll
-      for (int v = 0; v < VPL; ++v)
+        for (int v = 0; v < VPL; ++v)
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) acc[v][e] *= alpha;
+          for (int e = 0; e < VEC; ++e) acc[v][e] *= alpha;
+      }
+      // While every key so far is masked (m = −inf) nothing accumulates: p = 0, never NaN.
+      const bool empty = m == -inf();
 
       // ---- Accumulate: l += Σ p_k, acc += Σ p_k·v_k.
 #pragma unroll
       for (int k = 0; k < TPT; ++k) {
         const int t = tz + k * TZ;
-        const float p = empty ? 0.0f : __expf(x[k] - m_new);  // 0 for a token that is no key
+        const float p = empty ? 0.0f : fast_exp2(x[k] - m);  // 0 for a token that is no key
         l += p;
 #pragma unroll
         for (int v = 0; v < VPL; ++v) {
@@ -300,7 +344,7 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
   }
 
   // ---- Epilogue: combine the TZ token slots of each head, as the split-K reduction combines partitions:
-  //   M = max_z m_z,  w_z = exp(m_z − M),  L = Σ_z w_z·l_z,  o = Σ_z w_z·acc_z.
+  //   M = max_z m_z,  w_z = 2^(m_z − M),  L = Σ_z w_z·l_z,  o = Σ_z w_z·acc_z.
   // First across the slots of a warp by shuffles (the lane bits above TX·HG are tz), then across the warps'
   // TZW partial results in shared memory: a few dependent steps, not a loop over the TZ slots (which was most of
   // the CTA's time in the latency case, where a CTA sees only two tiles).
@@ -321,7 +365,7 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
   big_m = -inf();
 #pragma unroll
   for (int z = 0; z < TZW; ++z) big_m = fmaxf(big_m, ml_s[(z * HG + ty) * 2]);
-  const float w = m == -inf() ? 0.0f : __expf(m - big_m);  // an empty slot (no key) weighs nothing
+  const float w = m == -inf() ? 0.0f : fast_exp2(m - big_m);  // an empty slot (no key) weighs nothing
   float lw = w * l;
 #pragma unroll
   for (int v = 0; v < VPL; ++v)
@@ -375,7 +419,8 @@ __global__ void __launch_bounds__(kDecodeThreads, CPA_MIN_CTAS_PER_SM) paged_dec
 
 // ---------------------------------------------------------------------------------------------------------------
 // Split-K reduction: for each (sequence, head), combine the partitions that hold keys:
-//   M = max_p m_p,  w_p = exp(m_p − M),  out = Σ_p w_p·acc_p / Σ_p w_p·l_p   (zeros when no key contributes).
+//   M = max_p m_p,  w_p = 2^(m_p − M),  out = Σ_p w_p·acc_p / Σ_p w_p·l_p   (zeros when no key contributes;
+// m in log2 units, as the attention kernel writes it).
 // Every partition's CTA writes its (acc, m, l), an empty one (no key: past seq_lens[s]) m = −inf, so the reduction,
 // like paged_prefill_reduce, needs no seq_lens: a partition with m = −inf weighs nothing.
 // A CTA per (sequence, head): LANES threads per partition, each a float4 of acc, PG partitions side by side, each
@@ -411,8 +456,8 @@ __global__ void __launch_bounds__(kReduceThreads) paged_decode_reduce(
       const float4 a = acc4[(slot0 + p) * LANES + lane];
       if (ml.x != -inf()) {  // an empty partition (no key) weighs nothing
         const float m_new = fmaxf(m, ml.x);
-        const float alpha = __expf(m - m_new);  // 0 while m = −inf
-        const float w = __expf(ml.x - m_new);
+        const float alpha = fast_exp2(m - m_new);  // 0 while m = −inf
+        const float w = fast_exp2(ml.x - m_new);
         l = l * alpha + w * ml.y;
         o = make_float4(o.x * alpha + w * a.x, o.y * alpha + w * a.y, o.z * alpha + w * a.z, o.w * alpha + w * a.w);
         m = m_new;
@@ -430,7 +475,7 @@ __global__ void __launch_bounds__(kReduceThreads) paged_decode_reduce(
   o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
   for (int q = 0; q < PG; ++q) {
-    const float w = ml_s[q].x == -inf() ? 0.0f : __expf(ml_s[q].x - big_m);
+    const float w = ml_s[q].x == -inf() ? 0.0f : fast_exp2(ml_s[q].x - big_m);
     const float4 a = acc_s[q][lane];
     big_l += w * ml_s[q].y;
     o = make_float4(o.x + w * a.x, o.y + w * a.y, o.z + w * a.z, o.w + w * a.w);

@@ -60,8 +60,6 @@ constexpr int kPrefillStages = 2;     // K/V tiles in shared memory: one computi
 constexpr int kRelTableMax = 2048;    // floats of a CTA's relative-bias table (T5)
 constexpr int kPlanThreads = 1024;
 constexpr int kPrefillReduceThreads = 128;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kRescaleSlack = 8.0f;  // base 2: how far a tile's max may pass a row's softmax reference (p <= 256)
 // The Hopper tiling (wgmma, sm_90a; PrefillLayout with WG = true): two warpgroups of 64 rows each.
 constexpr int kWgmmaThreads = 256;
 constexpr int kWgmmaRows = 128;

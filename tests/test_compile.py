@@ -72,6 +72,28 @@ def test_split_planning(rng, seq_lens, heads, expect_split):
     assert np.all(np.asarray(plan.grid) >= 1)
 
 
+@pytest.mark.parametrize("smem_per_sm", [(233472, 1024), (167936, 1024), (101376, 1024)])
+def test_split_grid_caps_its_ctas_per_sm(rng, smem_per_sm):
+    """A split grid of the FP32 kernel asks for the shared memory that keeps a fourth CTA off each SM (H100/H200:
+    228 KB per SM); where three already fill the SM (A100: 164 KB) or fewer fit (100 KB), the kernel's own size
+    stays. An unsplit grid always asks for the kernel's own size, so the registers' four CTAs per SM fit."""
+    def plan(seq_lens):
+        p = make_problem(rng, seq_lens, num_heads=16, num_kv_heads=16, head_size=64, extra_table_cols=0,
+                         spare_blocks=0)
+        problem = _checks.check_decode(*p.args(), scale=None, attn_bias=None, alibi_slopes=None, kv_layout="nhd",
+                                       out=None)
+        return decode.plan_decode(problem, num_sms=132, smem_per_sm=smem_per_sm)
+
+    per_sm, reserved = smem_per_sm
+    split, whole = plan([1024]), plan([64] * 64)
+    assert split.num_parts > 1 and whole.num_parts == 1
+    assert whole.shared_mem == whole.spec.smem_bytes == _compile.DECODE_SMEM_BYTES
+    assert split.shared_mem >= split.spec.smem_bytes and split.shared_mem % 16 == 0
+    resident = per_sm // (split.shared_mem + reserved)
+    own = per_sm // (split.spec.smem_bytes + reserved)
+    assert resident == min(own, decode._SPLIT_CTAS_PER_SM)
+
+
 @pytest.mark.parametrize(("dtype", "arch"), list(itertools.product(_compile.CUDA_TYPES, ARCHS)))
 def test_every_prefill_specialisation_compiles(dtype, arch):
     specs = [s for s in _compile.all_prefill_specs() if s.dtype == dtype]
@@ -261,12 +283,16 @@ def test_host_mirrors_of_kernel_constants():
     _compile.compile_offline("paged_prefill.cu", [], "sm_90", "\n" + "\n".join(checks) + "\n")
 
     decode_checks = [f"static_assert(cpa::kDecodeThreads == {decode._THREADS}, \"threads\");",
+                     f"static_assert(cpa::kT5NearDistances == {_compile.DECODE_T5_NEAR_DISTANCES}, \"t5 near\");",
                      f"static_assert(cpa::kReduceThreads == {decode._REDUCE_THREADS}, \"reduce\");"]
     for dt in t:
         for d in _compile.HEAD_SIZES:
             for g in _compile.HEADS_PER_CTA:
                 layout = f"cpa::DecodeLayout<{t[dt]}, {d}, {g}>"
-                decode_checks += [f"static_assert({layout}::kStageBytes == {decode._STAGE_BYTES}, \"{dt} d{d}\");",
+                t5 = _compile.DecodeSpec(dt, d, "nhd", g, "t5").smem_bytes
+                smem = _compile.DECODE_SMEM_BYTES
+                decode_checks += [f"static_assert({layout}::kSmemBytes == {smem}, \"{dt} d{d}\");",
+                                  f"static_assert({layout}::kSmemBytes + {layout}::kNearBytes == {t5}, \"t5\");",
                                   f"static_assert({decode._TILE_MULTIPLE} % {layout}::TILE == 0, \"tile\");"]
     _compile.compile_offline("paged_decode.cu", [], "sm_90", "\n" + "\n".join(decode_checks) + "\n")
 
