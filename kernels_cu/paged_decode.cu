@@ -213,9 +213,8 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
     }
     cp_async_commit();
   };
-  // Tile t0's bias into slot st. Apart from issue so that the prologue issues both tiles' copies before either
-  // tile's bias: a T5 bias near the query is a chain of two loads (bucket, weight) that would hold back the second
-  // tile's copies.
+  // Tile t0's bias into slot st. Apart from issue so that the prologue issues every copy before any bias: a T5
+  // far key's bias is a register copy of the far weight, which waits for that load.
   auto issue_bias = [&](int st, int t0) {
     if constexpr (Bias::enabled) {
 #pragma unroll

@@ -111,8 +111,12 @@ def make_problem(
 
 
 #: Bias kinds other than a dense array: ragged rows (contiguous, or stored head-major), T5 in-kernel (causal as in
-#: a decoder, bidirectional as in an encoder; T5's geometry and an odd one).
-BIAS_KINDS = ("ragged", "ragged-strided", "t5-causal", "t5-bidir", "t5-odd")
+#: a decoder, bidirectional as in an encoder; T5's geometry, an odd one, and a wide one whose max_distance passes
+#: the decode kernel's near-weight table of 128 distances).
+BIAS_KINDS = ("ragged", "ragged-strided", "t5-causal", "t5-bidir", "t5-odd", "t5-wide")
+#: (num_buckets, max_distance, bidirectional) of the T5 kinds.
+T5_KIND_GEOMETRY = {"t5-causal": (32, 128, False), "t5-bidir": (32, 128, True), "t5-odd": (10, 40, True),
+                    "t5-wide": (48, 500, False)}
 RAGGED_GAP = 3  # rows of NaN before each sequence's rows of a ragged bias: never read
 
 
@@ -139,8 +143,7 @@ def make_bias_kind(rng: np.random.Generator, kind: str, seq_lens: list[int], num
         if kind == "ragged-strided":  # stored [num_heads, total]: values' rows are strided
             values = np.ascontiguousarray(values.T).T
         return cpa.RaggedBias(values, offsets), dense
-    num_buckets, max_distance = (32, 128) if kind != "t5-odd" else (10, 40)
-    bidirectional = kind != "t5-causal"
+    num_buckets, max_distance, bidirectional = T5_KIND_GEOMETRY[kind]
     table = rng.standard_normal((num_buckets, num_heads)).astype(dtype)
     for s, n in enumerate(seq_lens):
         buckets = cpa.t5_relative_position_bucket(np.arange(n) - (n - 1), bidirectional=bidirectional,
