@@ -383,6 +383,10 @@ struct T5Bias {
     const int rel = j - p;
     const int distance = a.m > 0 ? abs(rel) : max(-rel, 0);
     const int bucket = (a.m > 0 && rel > 0 ? a.m : 0) + (distance >= a.n ? far : __ldg(a.index + distance));
+    return weight(a, bucket, h);
+  }
+  // The table's entry for (bucket, head h), raw bits.
+  static __device__ __forceinline__ Raw weight(const BiasArgs& a, int bucket, int h) {
     return load_bias_bits(a.ptr, bucket * a.stride[0] + h * a.stride[1], a.dtype);
   }
   struct Seq {
@@ -410,16 +414,12 @@ struct T5Bias {
     __device__ __forceinline__ int limit(int len) const { return len; }
     __device__ __forceinline__ Raw load(int h, int, int p, int j) const { return load_at(a, far, h, p, j); }
     __device__ __forceinline__ Row row(int h, int, int p, const Raw* near) const {
-      const long long head_at = h * a.stride[1];
-      return {a.ptr, a.index, a.stride[0], head_at, a.dtype, a.n, p,
-              load_bias_bits(a.ptr, far * a.stride[0] + head_at, a.dtype), near};
+      return {a.ptr, a.index, a.stride[0], h * a.stride[1], a.dtype, a.n, p, weight(a, far, h), near};
     }
     // The bucket of a key at distance d (0 <= d) before the query, and a bucket's weight for head h: the near
     // table's entries, in two steps so that a kernel issues the bucket loads first and the weights later.
     __device__ __forceinline__ int near_bucket(int d) const { return __ldg(a.index + min(d, a.n)); }
-    __device__ __forceinline__ Raw near_weight(int bucket, int h) const {
-      return load_bias_bits(a.ptr, bucket * a.stride[0] + h * a.stride[1], a.dtype);
-    }
+    __device__ __forceinline__ Raw near_weight(int bucket, int h) const { return weight(a, bucket, h); }
   };
   static __device__ __forceinline__ T5Bias make(const BiasArgs& args) { return {args}; }
   __device__ __forceinline__ Seq seq(int) const { return {a, __ldg(a.index + a.n)}; }
