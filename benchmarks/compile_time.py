@@ -41,7 +41,7 @@ def spec_of(name: str) -> tuple[Any, str, Callable[[int], Any]]:
         spec = _compile.DecodeSpec("bf16", 128, "nhd", 1, "dense")
         return spec, "paged_decode.cu", lambda dev: _compile.get_decode_kernels(spec, dev, spec.smem_bytes)
     if name == "decode-tensor-cores":
-        spec = _compile.PrefillSpec("bf16", 128, "nhd", "dense", _compile.DECODE_KEY_WARPS)
+        spec = _compile.PrefillSpec("bf16", 128, "nhd", "dense", _compile.DECODE_ROWS[0])
     elif name == "prefill":
         spec = _compile.PrefillSpec("bf16", 128, "nhd", "t5")
     elif name == "prefill-hopper":  # (sm_90a: an H100 / H200; offline, it compiles for sm_90a whatever ARCH says)

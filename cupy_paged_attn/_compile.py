@@ -233,13 +233,13 @@ PREFILL_THREADS = 128
 SIMT_ROWS_PER_CTA = 64
 PREFILL_PLAN_THREADS = 1024
 PREFILL_REDUCE_THREADS = 128
+PREFILL_REDUCE_BATCH = 8  # partitions one thread of paged_prefill_reduce loads at once (kReduceBatch)
 _PREFILL_WARPS = 4
 _PREFILL_STAGES = 2
 PREFILL_REL_TABLE = 2048  # floats of a CTA's T5 table (kRelTableMax)
-#: Warps that split a tile's keys in the tensor-core kernel (PrefillLayout's KEY_WARPS): 1 for prefill, where the
-#: warps split the rows; 4 for decode, whose 16 rows are one token's query heads.
-PREFILL_KEY_WARPS = 1
-DECODE_KEY_WARPS = 4
+#: Rows of a decode-tiling CTA of the tensor-core kernel (PrefillLayout's DECODE_ROWS; 0 is prefill's tiling): the
+#: query heads of one KV head, one query token each. Its four warps split each tile's keys.
+DECODE_ROWS = (8, 16)
 #: Head sizes the decode tiling of the tensor-core kernel takes (a warp needs 16 keys of a 64-key tile).
 DECODE_MMA_HEAD_SIZES = tuple(d for d in HEAD_SIZES if d <= 128)
 #: The Hopper tiling of the prefill kernel (wgmma, sm_90a code: devices of compute capability 9.0 exactly): head
@@ -258,22 +258,28 @@ def _padded_head(head_size: int) -> int:
     return -(-head_size // 16) * 16
 
 
-def prefill_tile_keys(head_size: int, key_warps: int = PREFILL_KEY_WARPS, wgmma: bool = False) -> int:
+def decode_rows(group_size: int) -> int:
+    """Rows of the decode-tiling CTAs that serve a KV group of ``group_size`` query heads: 8 up to 8 heads (half the
+    accumulators: three CTAs per SM), else 16 (a group of more than 16 takes several CTAs)."""
+    return DECODE_ROWS[0] if group_size <= DECODE_ROWS[0] else DECODE_ROWS[1]
+
+
+def prefill_tile_keys(head_size: int, decode_rows: int = 0, wgmma: bool = False) -> int:
     """Keys per K/V tile of the tensor-core kernel (PrefillLayout::TILE_N); every partition is a multiple."""
     if wgmma:
         return _WGMMA_TILE_KEYS
-    two_m_tiles = prefill_m_tiles(head_size, key_warps) == 2
+    two_m_tiles = prefill_m_tiles(head_size, decode_rows) == 2
     return 32 if head_size > 128 or (two_m_tiles and _padded_head(head_size) > 64) else 64
 
 
-def prefill_m_tiles(head_size: int, key_warps: int = PREFILL_KEY_WARPS) -> int:
+def prefill_m_tiles(head_size: int, decode_rows: int = 0) -> int:
     """16-row m tiles per warp of the tensor-core kernel (prefill_m_tiles in paged_prefill.cu)."""
-    return 2 if key_warps == 1 and head_size <= 128 else 1
+    return 2 if decode_rows == 0 and head_size <= 128 else 1
 
 
-def rows_per_cta(head_size: int, key_warps: int = PREFILL_KEY_WARPS) -> int:
+def rows_per_cta(head_size: int, decode_rows: int = 0) -> int:
     """Packed (token, head) rows of one tensor-core CTA (rows_per_cta in paged_prefill.cu)."""
-    return 16 * prefill_m_tiles(head_size, key_warps) * _PREFILL_WARPS // key_warps
+    return decode_rows or 16 * prefill_m_tiles(head_size) * _PREFILL_WARPS
 
 
 def prefill_rows_per_cta(dtype: str, head_size: int) -> int:
@@ -281,30 +287,52 @@ def prefill_rows_per_cta(dtype: str, head_size: int) -> int:
     return SIMT_ROWS_PER_CTA if dtype == "f32" else rows_per_cta(head_size)
 
 
-def decode_ctas_per_sm(head_size: int) -> int:
-    """CTAs per SM of the decode tiling (PrefillLayout::kCtasPerSm with KEY_WARPS 4)."""
-    return 3 if head_size <= 64 else 2
+def decode_ctas_per_sm(head_size: int, rows: int) -> int:
+    """CTAs per SM of the decode tiling (decode_ctas_per_sm in paged_prefill.cu)."""
+    return 3 if _padded_head(head_size) <= 64 or rows == 8 else 2
 
 
-def reduce_chunks(rows: int, head_size: int) -> int:
-    """grid.z of paged_prefill_reduce: one thread per output element of an M tile of ``rows`` rows."""
-    return -(-rows * head_size // PREFILL_REDUCE_THREADS)
+def _decode_smem_bytes(head_size: int, rows: int, stages: int) -> int:
+    row = _padded_head(head_size) // 8 + 1  # 16-byte vectors per padded row
+    return (rows + stages * 2 * 64) * row * 16 + (stages + 1) * 64 * 8 + 2 * rows * 4
 
 
-def prefill_smem_bytes(dtype: str, head_size: int, key_warps: int = PREFILL_KEY_WARPS, wgmma: bool = False) -> int:
+def decode_stages(head_size: int, rows: int) -> int:
+    """K/V stages of the decode tiling (decode_stages in paged_prefill.cu): three, or two where its CTAs per SM
+    would not fit three."""
+    fits = decode_ctas_per_sm(head_size, rows) * (_decode_smem_bytes(head_size, rows, 3) + 1024) <= 227 * 1024
+    return 3 if fits else 2
+
+
+def reduce_groups(num_parts: int) -> int:
+    """Groups of threads that split the partitions in paged_prefill_reduce (reduce_groups there)."""
+    for groups in (1, 2, 4):
+        if num_parts <= groups * PREFILL_REDUCE_BATCH:
+            return groups
+    return 8
+
+
+def reduce_chunks(rows: int, head_size: int, num_parts: int) -> int:
+    """grid.z of paged_prefill_reduce: its CTAs each take ``PREFILL_REDUCE_THREADS / reduce_groups`` of the output
+    elements of an M tile of ``rows`` rows."""
+    return -(-rows * head_size // (PREFILL_REDUCE_THREADS // reduce_groups(num_parts)))
+
+
+def prefill_smem_bytes(dtype: str, head_size: int, decode_rows: int = 0, wgmma: bool = False) -> int:
     """Dynamic shared memory of one tensor-core CTA (PrefillLayout::kSmemBytes; 0 for the float32 SIMT kernel)."""
     if dtype == "f32":
         return 0
+    if decode_rows:
+        return _decode_smem_bytes(head_size, decode_rows, decode_stages(head_size, decode_rows))
     row = _padded_head(head_size) // 8 + (0 if wgmma else 1)  # 16-byte vectors per (padded) row
-    tile = prefill_tile_keys(head_size, key_warps, wgmma)
-    rows = _WGMMA_ROWS if wgmma else rows_per_cta(head_size, key_warps)
-    decode = key_warps > 1
+    tile = prefill_tile_keys(head_size, 0, wgmma)
+    rows = _WGMMA_ROWS if wgmma else rows_per_cta(head_size)
     if wgmma:  # three stages where the P·V is deferred (wgmma_deferred), one tile of copies ahead
         stages, ahead = (3 if head_size <= 64 else 2), 1
     else:
-        stages = 3 if decode else _PREFILL_STAGES
+        stages = _PREFILL_STAGES
         ahead = stages - 1  # tiles in flight while one computes (PrefillLayout::AHEAD)
-    rel_table = 0 if decode else PREFILL_REL_TABLE
+    rel_table = PREFILL_REL_TABLE
     align = 1024 if wgmma else 0  # Q and the stages start on the 128-byte swizzle's period
     return (rows * row * 16 + stages * 2 * tile * row * 16 + (ahead + 2) * tile * 8
             + (rel_table + 2 * rows) * 4 + align)
@@ -313,19 +341,19 @@ def prefill_smem_bytes(dtype: str, head_size: int, key_warps: int = PREFILL_KEY_
 @dataclass(frozen=True)
 class PrefillSpec:
     """Compile-time choices of one tensor-core (or float32 SIMT) kernel of paged_prefill.cu; causal, ALiBi, page
-    size and bias dtype are run-time. ``key_warps`` 4 is the decode tiling (16-bit, head sizes up to 128);
+    size and bias dtype are run-time. ``decode_rows`` 8 or 16 is the decode tiling (16-bit, head sizes up to 128);
     ``wgmma`` the Hopper tiling of prefill (16-bit, WGMMA_HEAD_SIZES, sm_90a code)."""
 
     dtype: str  # "f32" (SIMT kernel) | "f16" | "bf16" (tensor cores)
     head_size: int
     layout: str  # "nhd" | "vllm"
     bias: str  # one of PREFILL_BIAS_MODES; "ragged" too with the decode tiling
-    key_warps: int = PREFILL_KEY_WARPS
+    decode_rows: int = 0
     wgmma: bool = False
 
     @property
     def key(self) -> str:
-        tiling = "_wgmma" if self.wgmma else "" if self.key_warps == PREFILL_KEY_WARPS else "_decode"
+        tiling = "_wgmma" if self.wgmma else f"_decode{self.decode_rows}" if self.decode_rows else ""
         return f"paged_prefill_{self.dtype}_d{self.head_size}_{self.layout}_bias-{self.bias}{tiling}"
 
     @property
@@ -336,7 +364,7 @@ class PrefillSpec:
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one attention CTA (:func:`prefill_smem_bytes` of this tiling)."""
-        return prefill_smem_bytes(self.dtype, self.head_size, self.key_warps, self.wgmma)
+        return prefill_smem_bytes(self.dtype, self.head_size, self.decode_rows, self.wgmma)
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -355,8 +383,8 @@ class PrefillSpec:
         args = f"{t}, {self.head_size}, {_CUDA_LAYOUT[self.layout]}, {_CUDA_BIAS[self.bias]}"
         wg = "true" if self.wgmma else "false"
         main = f"cpa::paged_prefill_simt<{args}>" if self.dtype == "f32" else \
-            f"cpa::paged_prefill<{args}, {self.key_warps}, {wg}>"
-        return main, f"cpa::paged_prefill_reduce<{t}, {self.head_size}, {self.key_warps}>", "cpa::paged_prefill_plan"
+            f"cpa::paged_prefill<{args}, {self.decode_rows}, {wg}>"
+        return main, f"cpa::paged_prefill_reduce<{t}, {self.head_size}, {self.decode_rows}>", "cpa::paged_prefill_plan"
 
 
 def all_prefill_specs() -> list[PrefillSpec]:
@@ -370,8 +398,9 @@ def all_prefill_specs() -> list[PrefillSpec]:
         for bias in PREFILL_BIAS_MODES
     ]
     decode = [
-        PrefillSpec(dt, d, lay, bias, DECODE_KEY_WARPS)
+        PrefillSpec(dt, d, lay, bias, rows)
         for dt in ("f16", "bf16")
+        for rows in DECODE_ROWS
         for d in DECODE_MMA_HEAD_SIZES
         for lay in KV_LAYOUTS
         for bias in BIAS_MODES

@@ -135,16 +135,16 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int,
     """
     p = problem
     if uses_tensor_cores(p):
-        # One CTA per (sequence, 16 query heads of a KV group, KV head) in x, KV head fastest (cta_rows in
+        # One CTA per (sequence, 8 or 16 query heads of a KV group, KV head) in x, KV head fastest (cta_rows in
         # paged_prefill.cu), and per partition in z.
-        kw = _compile.DECODE_KEY_WARPS
-        rows = _compile.rows_per_cta(p.head_size, kw)
+        rows = _compile.decode_rows(p.group_size)
         ctas = p.num_seqs * -(-p.group_size // rows) * p.num_kv_heads
-        tokens_per_part, parts = split_keys(ctas, p.max_len, num_sms, _compile.prefill_tile_keys(p.head_size, kw),
-                                            resident=_compile.decode_ctas_per_sm(p.head_size))
-        spec = _compile.PrefillSpec(p.dtype, p.head_size, p.kv_layout, p.bias.mode, kw)
+        tokens_per_part, parts = split_keys(ctas, p.max_len, num_sms, _compile.prefill_tile_keys(p.head_size, rows),
+                                            resident=_compile.decode_ctas_per_sm(p.head_size, rows))
+        spec = _compile.PrefillSpec(p.dtype, p.head_size, p.kv_layout, p.bias.mode, rows)
+        reduce_grid = (ctas, 1, _compile.reduce_chunks(rows, p.head_size, parts))
         return DecodeLaunch(spec, (ctas, 1, parts), tokens_per_part, parts, spec.threads, spec.smem_bytes,
-                            (ctas, 1, _compile.reduce_chunks(rows, p.head_size)), _compile.PREFILL_REDUCE_THREADS)
+                            reduce_grid, _compile.PREFILL_REDUCE_THREADS)
     hg = heads_per_cta(p.group_size)
     chunks = -(-p.group_size // hg)
     tokens_per_part, parts = split_keys(p.num_seqs * p.num_kv_heads * chunks, p.max_len, num_sms, _TILE_MULTIPLE)

@@ -118,7 +118,7 @@ def _launch(problem: _checks.PrefillProblem, launch: PrefillLaunch, out: Any, ti
     )
     if launch.num_parts > 1:
         reduce_kernel(
-            (launch.num_tiles, p.num_kv_heads, _compile.reduce_chunks(launch.rows, p.head_size)),
+            (launch.num_tiles, p.num_kv_heads, _compile.reduce_chunks(launch.rows, p.head_size, launch.num_parts)),
             (_compile.PREFILL_REDUCE_THREADS,),
             (
                 ptr(out), i64(out_strides[0]), i64(out_strides[1]), part_acc, part_ml, starts, i32(p.total_q),

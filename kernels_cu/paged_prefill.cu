@@ -10,15 +10,15 @@
 //
 // One CTA per (M tile, KV head, partition of the keys). The M dimension of the matrix products packs (query token,
 // query head of the KV group) pairs, FlashInfer-style: packed row R = i·G + g is token i, head kvh·G + g, so a CTA
-// of 128 rows serves e.g. 128 tokens of one head (G = 1), 16 tokens of 8 heads, or, in decode with GQA (16 rows), the
-// G heads of one token. Every row carries its own position and key range, so all of these are the same code.
+// of 128 rows serves e.g. 128 tokens of one head (G = 1), 16 tokens of 8 heads, or, in decode with GQA (8 or 16
+// rows), the G heads of one token. Every row carries its own position and key range, so all of these are the same code.
 //
 // 16-bit dtypes run on the tensor cores (mma.sync m16n8k16, float32 accumulators); float32 runs a plain SIMT kernel
 // (paged_prefill_simt: correct, not fast; no TF32, whose rounding would miss the 2e-5 tolerance).
 //
 // Tensor-core kernel, per CTA: 4 warps, warp w owns packed rows 32w ... 32w + 31 (prefill; 16 rows for head sizes
-// over 128), or all 4 warps own the same 16 rows and split each tile's keys (decode: KEY_WARPS = 4, see
-// PrefillLayout).
+// over 128), or all 4 warps own the same 8 or 16 rows and split each tile's keys (decode: DECODE_ROWS, see
+// PrefillLayout; decode accumulates Oᵀ += Vᵀ·Pᵀ instead of the O += P·V below).
 //   S = Q·Kᵀ      A = Q via ldmatrix (each tile with two m tiles per warp; else once, into registers),
 //                 B = K tile via ldmatrix
 //   online softmax on S in registers (base 2): m = row reference (the running max, moved lazily), l = Σ 2^(x − m)
@@ -159,32 +159,53 @@ __global__ void __launch_bounds__(kPlanThreads) paged_prefill_plan(const int* __
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Layout of one tensor-core specialisation (16-bit T). KEY_WARPS says how the 4 warps share a tile:
+// Layout of one tensor-core specialisation (16-bit T). KEY_WARPS (DECODE_ROWS 0: 1, else 4) says how the 4 warps
+// share a tile:
 //   1 (prefill): each warp owns MT·16 packed rows of the CTA's and computes them against every key of the tile.
 //                MT = 2 (FlashAttention-2's 32 rows per warp) up to head size 128: each K or V fragment read from
 //                shared memory then feeds two mmas, which halves the shared-memory traffic per mma (at 16 rows it
 //                was the limit: 2.5 wavefronts per mma) and gives each warp two independent mma chains. Larger
 //                heads have no registers for it: MT = 1.
-//   4 (decode):  the CTA has 16 rows (the query heads of one KV head, one query token each) and each warp computes
-//                them against its quarter of the tile's keys, with its own online softmax; the warps' (m, l, acc)
-//                are combined once, at the end, as split-K partitions are. Memory-bound, so its pipeline is deeper.
+//   4 (decode):  the CTA has DECODE_ROWS = 8 or 16 rows (the query heads of one KV head, one query token each)
+//                and each warp computes them against its quarter of the tile's keys, with its own online softmax;
+//                the warps' (m, l, acc) are combined once, at the end, as split-K partitions are. S = Q·Kᵀ is an
+//                m16 mma whose rows past DECODE_ROWS are zeros, but O is accumulated transposed, Oᵀ += Vᵀ·Pᵀ: the
+//                head size is the mma's M and the rows its N (8 per n tile), so a CTA of 8 rows holds half the
+//                accumulators (and issues half the mmas) of an m16 O. Pᵀ's B fragments are S's C fragments as
+//                they stand (mma.cuh). Memory-bound, so its pipeline is deeper.
+// Host mirror: _compile.py (rows_per_cta, prefill_tile_keys, prefill_smem_bytes, decode_ctas_per_sm).
 // ---------------------------------------------------------------------------------------------------------------
-__host__ __device__ constexpr int prefill_m_tiles(int head, int key_warps) {
-  return key_warps == 1 && head <= 128 ? 2 : 1;
+constexpr int kDecodeKeyWarps = 4;
+__host__ __device__ constexpr int prefill_m_tiles(int head, int decode_rows) {
+  return decode_rows == 0 && head <= 128 ? 2 : 1;
 }
-__host__ __device__ constexpr int rows_per_cta(int head, int key_warps) {
-  return kRowsPerMma * prefill_m_tiles(head, key_warps) * kPrefillWarps / key_warps;
+__host__ __device__ constexpr int rows_per_cta(int head, int decode_rows) {
+  return decode_rows > 0 ? decode_rows : kRowsPerMma * prefill_m_tiles(head, 0) * kPrefillWarps;
+}
+// Decode tiling: CTAs per SM (three where a CTA's registers allow: head sizes up to 64, or 8 rows, whose
+// accumulators are half), and K/V stages (three, or two where three CTAs of three stages overflow the SM's 227 KB).
+__host__ __device__ constexpr int decode_ctas_per_sm(int head_p, int rows) { return head_p <= 64 || rows == 8 ? 3 : 2; }
+__host__ __device__ constexpr int decode_smem_bytes(int head_p, int rows, int stages) {
+  return (rows + stages * 2 * 64) * (head_p / 8 + 1) * 16 + (stages + 1) * 64 * 8 + 2 * rows * 4;
+}
+__host__ __device__ constexpr int decode_stages(int head_p, int rows) {
+  return decode_ctas_per_sm(head_p, rows) * (decode_smem_bytes(head_p, rows, 3) + 1024) <= 227 * 1024 ? 3 : 2;
 }
 
-template <typename T, int HEAD, int KEY_WARPS, bool WG = false>
+template <typename T, int HEAD, int DECODE_ROWS, bool WG = false>
 struct PrefillLayout {
-  static constexpr bool kDecode = KEY_WARPS > 1;
+  static constexpr bool kDecode = DECODE_ROWS > 0;
+  static constexpr int KEY_WARPS = kDecode ? kDecodeKeyWarps : 1;  // warps that split a tile's keys
   static constexpr bool kWgmma = WG;  // the Hopper tiling (see the file's header and wgmma_deferred)
   static constexpr int THREADS = WG ? kWgmmaThreads : kPrefillThreads;
   static constexpr int WARPS = THREADS / kWarpSize;
-  static constexpr int MT = WG ? 1 : prefill_m_tiles(HEAD, KEY_WARPS);  // m tiles (16 rows each) per warp
-  static constexpr int ROWS_W = MT * kRowsPerMma;          // rows of one warp
-  static constexpr int ROWS = WG ? kWgmmaRows : rows_per_cta(HEAD, KEY_WARPS);  // packed (token, head) rows per CTA
+  static constexpr int MT = WG ? 1 : prefill_m_tiles(HEAD, DECODE_ROWS);  // m tiles (16 rows each) per warp
+  static constexpr int ROWS_W = MT * kRowsPerMma;          // rows of one warp's S (decode: past ROWS, zeros)
+  static constexpr int ROWS = WG ? kWgmmaRows : rows_per_cta(HEAD, DECODE_ROWS);  // packed (token, head) rows per CTA
+  // Fragment rows of a thread that hold packed rows (qr + 8·hf of each m tile; decode: ROWS / 8), and decode's n
+  // tiles of Oᵀ (8 rows each).
+  static constexpr int NR = kDecode ? ROWS / 8 : 2 * MT;
+  static constexpr int NH = kDecode ? ROWS / 8 : 0;
   static constexpr int VEC = vec_elems<T>();               // 8 elements per 16-byte vector
   static constexpr int HEAD_P = (HEAD + 15) / 16 * 16;     // head size padded to the mma's k (120 -> 128)
   static constexpr int NV = HEAD_P / VEC;                  // vectors per padded row (even)
@@ -201,12 +222,13 @@ struct PrefillLayout {
   static constexpr int COPIES = (TILE_N * NV + THREADS - 1) / THREADS;  // K, V vectors per thread
   static constexpr bool kCopiesEven = TILE_N * NV % THREADS == 0;  // else the last slot is some threads'
   // CTAs per SM. Prefill: two, Q's A fragments re-read from shared memory each tile where the warp has two m tiles
-  // (their accumulators take the registers), else held in registers. Decode: three CTAs up to HEAD 64, else two,
-  // each with two tiles in flight while it computes a third (64 KB per CTA at HEAD 128), Q in registers.
-  // Hopper: two (128 registers; see wgmma_deferred).
-  static constexpr int kCtasPerSm = WG || !(kDecode && HEAD_P <= 64) ? 2 : 3;
+  // (their accumulators take the registers), else held in registers. Decode: decode_ctas_per_sm, each with
+  // STAGES − 1 tiles in flight while it computes one (decode_stages), Q in registers. Hopper: two (128 registers;
+  // see wgmma_deferred).
+  static constexpr int kCtasPerSm = kDecode ? decode_ctas_per_sm(HEAD_P, ROWS) : 2;
   static constexpr bool kQInRegs = !WG && MT == 1 && HEAD <= 192;
-  static constexpr int STAGES = kDecode || (WG && wgmma_deferred(HEAD_P)) ? 3 : kPrefillStages;  // K/V tiles
+  static constexpr int STAGES = kDecode ? decode_stages(HEAD_P, ROWS)
+                                        : WG && wgmma_deferred(HEAD_P) ? 3 : kPrefillStages;  // K/V tiles
   // Tiles whose copies are in flight while one computes: all stages but that one; Hopper: one, its third stage
   // holding the previous tile's V for the P·V still running (the warpgroup's pipeline, see pv_pending).
   static constexpr int AHEAD = WG ? 1 : STAGES - 1;
@@ -230,18 +252,19 @@ struct PrefillLayout {
                 "Hopper tiling: prefill, head size 64 or 128, 64 or 128 keys per tile, 16 rows per warp");
   static_assert(HEAD % VEC == 0 && NV % 2 == 0, "whole vectors, pairs of 8-column matrices");
   static_assert(KEYS_W % 16 == 0, "P·V takes keys 16 at a time");
-  static_assert(!kDecode || KEY_WARPS * ROWS * (HEAD_P + 2) * 4 <= kKVBytes, "the warps combine in the K/V stages");
-  static_assert(!kDecode || MT == 1, "decode rows are one m tile");
+  static_assert(!kDecode || KEY_WARPS * ROWS * (HEAD_P + 6) * 4 <= kKVBytes, "the warps combine in the K/V stages");
+  static_assert(!kDecode || (MT == 1 && (ROWS == 8 || ROWS == 16) && TILE_N == 64), "decode: one m tile, 64 keys");
+  static_assert(!kDecode || kSmemBytes == decode_smem_bytes(HEAD_P, ROWS, STAGES), "decode_smem_bytes");
 };
 
 // ---------------------------------------------------------------------------------------------------------------
 // The tensor-core kernel. Template parameters: T (__half / __nv_bfloat16), HEAD, cache LAYOUT, Bias = NoBias,
-// DenseBias, RaggedBias (decode) or T5Bias (common.cuh), KEY_WARPS (see PrefillLayout). Run-time: page size
+// DenseBias, RaggedBias (decode) or T5Bias (common.cuh), DECODE_ROWS (0: prefill; see PrefillLayout). Run-time: page size
 // (block_shift), causal, ALiBi, bias dtype, split. Decode passes query_start_loc = tile_info = null (cta_rows).
 // ---------------------------------------------------------------------------------------------------------------
-template <typename T, int HEAD, KvLayout LAYOUT, typename Bias, int KEY_WARPS, bool WG>
-__global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS,
-                                  PrefillLayout<T, HEAD, KEY_WARPS, WG>::kCtasPerSm) paged_prefill(
+template <typename T, int HEAD, KvLayout LAYOUT, typename Bias, int DECODE_ROWS, bool WG>
+__global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREADS,
+                                  PrefillLayout<T, HEAD, DECODE_ROWS, WG>::kCtasPerSm) paged_prefill(
     T* __restrict__ out, long long out_stride_t, long long out_stride_h,  // [total_q, num_heads, HEAD]
     float* __restrict__ part_acc,  // [num_parts, total_q, num_heads, HEAD], used when num_parts > 1
     float* __restrict__ part_ml,   // [num_parts, total_q, num_heads, 2] = (m, l) in base 2
@@ -256,18 +279,22 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
     long long bias_stride_2, long long bias_stride_3, int bias_dtype, int bias_n, int bias_m,  // BiasArgs
     const float* __restrict__ alibi_slopes,  // [num_heads] or null
     float scale, int group_size, int causal, int tokens_per_part, int num_parts) {
-  using L = PrefillLayout<T, HEAD, KEY_WARPS, WG>;
+  using L = PrefillLayout<T, HEAD, DECODE_ROWS, WG>;
   using Cache = PagedCache<T, HEAD, LAYOUT>;
 #if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(!WG, "the Hopper tiling (wgmma) compiles for sm_90a only");
 #endif
   constexpr int NV = L::NV, NV_REAL = L::NV_REAL, ROW = L::ROW, TILE_N = L::TILE_N, KSTEPS = L::KSTEPS;
-  constexpr int NT_S = L::NT_S, NT_O = L::NT_O, COPIES = L::COPIES, MT = L::MT, NR = 2 * L::MT;
+  constexpr int NT_S = L::NT_S, NT_O = L::NT_O, COPIES = L::COPIES, MT = L::MT, NR = L::NR, NH = L::NH;
+  constexpr int KEY_WARPS = L::KEY_WARPS;
+  // Elements of an m tile of S that hold rows (decode with 8 rows: c0, c1; the rest are the zero rows' logits).
+  constexpr int EL = L::kDecode ? 2 * NR : 4;
   constexpr int ROWS = L::ROWS, STAGES = L::STAGES, PAGE_BUFFERS = L::PAGE_BUFFERS, REL_TABLE = L::REL_TABLE;
   constexpr int AHEAD = L::AHEAD;
   constexpr bool kT5 = SameType<Bias, T5Bias>::value;
   // No launch_dependents() here: the decode tiling's reduction is launched as a dependent all the same (it then starts
-  // as this grid ends), and the call, even at the top, changed this kernel's whole schedule (prefill d128 ~5 % slower).
+  // as this grid ends). The call, even at the top, changed prefill's whole schedule (prefill d128 ~5 % slower), and in
+  // the decode tiling alone it measured 0.5-1 % slower (B1 H32/8 L65536 dense 82.2 -> 82.9 us; B4 L32768 148.3 -> 149.3).
 
   extern __shared__ uint4 smem[];
   // (Hopper: Q_s and the stages start on the 128-byte swizzle's period, 1024 bytes.)
@@ -318,7 +345,7 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
   // the first tile. A table past REL_TABLE (large groups or max_distance): one load chain per logit.
   const int rel_half = min(bias_n, REL_TABLE) + TILE_N + p_last - p_first;
   const int rel_w = 2 * rel_half + 1;
-  const bool use_rel = kT5 && bias_n <= REL_TABLE && G * rel_w <= REL_TABLE;
+  const bool use_rel = kT5 && REL_TABLE > 0 && bias_n <= REL_TABLE && G * rel_w <= REL_TABLE;
   // The Hopper tiling has no per-logit T5 path (its registers cost the 128-register budget of head size 128 some
   // 200 bytes of spills): the host gives it only problems whose table fits (prefill.py, _t5_table_fits).
   constexpr bool kT5TableOnly = L::kWgmma && kT5;
@@ -501,7 +528,10 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
     m[hf] = -inf();
     l[hf] = 0.0f;
   }
-  float acc[MT][NT_O][4];
+  // O: MT x NT_O C fragments (rows x head columns). Decode: Oᵀ, m tile dm (head columns 16dm ...) and n tile nh
+  // (rows 8nh ...) at acc[0][dm·NH + nh]: element e is column 16dm + qr + 8(e / 2) of row 8nh + 2qc + (e & 1).
+  constexpr int ACC_N = L::kDecode ? KSTEPS * NH : NT_O;
+  float acc[MT][ACC_N][4];
   zero_fragments(acc);
 
   // Bias bits of a tile's logits for this thread's fragment (rows qr, qr + 8; keys key0 + 8nt + 2qc + {0, 1}).
@@ -577,7 +607,16 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
   const int group = warp / (kWarpgroupThreads / kWarpSize);  // Hopper: this thread's warpgroup
 
   unsigned qa[L::kQInRegs ? KSTEPS : 1][4];
-  if constexpr (L::kQInRegs) {
+  if constexpr (L::kQInRegs && ROWS == 8) {  // (decode) rows 8 ... 15 of the m tile are zeros: a1 = a3 = 0
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+      unsigned two[2];
+      ldmatrix_x2(two, &q_s[(lane % 8) * ROW + 2 * kk + (lane / 8) % 2]);
+      qa[kk][0] = two[0];
+      qa[kk][2] = two[1];
+      qa[kk][1] = qa[kk][3] = 0u;
+    }
+  } else if constexpr (L::kQInRegs) {
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk)
       ldmatrix_x4(qa[kk], &q_s[(row_warp * L::ROWS_W + lane % 16) * ROW + 2 * kk + lane / 16]);
@@ -650,7 +689,7 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
 #pragma unroll
           for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) braw[0][nt][e] = ring[slot][0][nt][e];
+            for (int e = 0; e < EL; ++e) braw[0][nt][e] = ring[slot][0][nt][e];
           if (tile + RING < num_tiles) load_bias(ring[slot], t0 + RING * TILE_N);
         } else if constexpr (kBiasLoads) {
           load_bias(braw, t0);
@@ -714,25 +753,25 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
 #pragma unroll
             for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-              for (int e = 0; e < 4; ++e) sacc[mt][nt][e] *= scale2;
+              for (int e = 0; e < EL; ++e) sacc[mt][nt][e] *= scale2;
         } else if (const int far = far_kind(t0); far != 0) {
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
             const float* far_row = far_s + (far - 1) * ROWS + cta_row(2 * mt);
-            const float row_bias[2] = {far_row[0], far_row[8]};
+            const float row_bias[2] = {far_row[0], EL > 2 ? far_row[8] : 0.0f};
 #pragma unroll
             for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-              for (int e = 0; e < 4; ++e) sacc[mt][nt][e] = fmaf(sacc[mt][nt][e], scale2, row_bias[e / 2]);
+              for (int e = 0; e < EL; ++e) sacc[mt][nt][e] = fmaf(sacc[mt][nt][e], scale2, row_bias[e / 2]);
           }
         } else if (kT5TableOnly || use_rel) {
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
-            const float* rel_row[2] = {rel_s + row_off[2 * mt] + t0, rel_s + row_off[2 * mt + 1] + t0};
+            const float* rel_row[2] = {rel_s + row_off[2 * mt] + t0, rel_s + row_off[min(2 * mt + 1, NR - 1)] + t0};
 #pragma unroll
             for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-              for (int e = 0; e < 4; ++e)
+              for (int e = 0; e < EL; ++e)
                 sacc[mt][nt][e] = fmaf(sacc[mt][nt][e], scale2, rel_row[e / 2][key0 + nt * 8 + 2 * qc + (e & 1)]);
           }
         } else {
@@ -741,7 +780,7 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
 #pragma unroll
             for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-              for (int e = 0; e < 4; ++e) {
+              for (int e = 0; e < EL; ++e) {
                 const int hf = 2 * mt + e / 2;
                 const int j = t0 + key0 + nt * 8 + 2 * qc + (e & 1);
                 const typename Bias::Raw raw =
@@ -755,7 +794,7 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
 #pragma unroll
             for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-              for (int e = 0; e < 4; ++e) {
+              for (int e = 0; e < EL; ++e) {
                 const int hf = 2 * mt + e / 2;
                 sacc[mt][nt][e] += slope2[hf] * static_cast<float>(t0 + key0 + nt * 8 + 2 * qc + (e & 1) - row_p[hf]);
               }
@@ -766,7 +805,7 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
 #pragma unroll
             for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-              for (int e = 0; e < 4; ++e) {
+              for (int e = 0; e < EL; ++e) {
                 const int kl = key0 + nt * 8 + 2 * qc + (e & 1);
                 if (t0 + kl >= row_end[2 * mt + e / 2] || page_s[(tile % PAGE_BUFFERS) * TILE_N + kl] == -1)
                   sacc[mt][nt][e] = -inf();
@@ -808,7 +847,7 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
 #pragma unroll
           for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) sacc[mt][nt][e] = fast_exp2(sacc[mt][nt][e] - m_use[2 * mt + e / 2]);
+            for (int e = 0; e < EL; ++e) sacc[mt][nt][e] = fast_exp2(sacc[mt][nt][e] - m_use[2 * mt + e / 2]);
         bool rescale = false;
 #pragma unroll
         for (int hf = 0; hf < NR; ++hf) {  // l = α·l + Σ p, the sum as a balanced tree
@@ -830,12 +869,24 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
 #pragma unroll
           for (int hf = 0; hf < NR; ++hf) pv_alpha[hf] = alpha[hf];
         } else if (__any_sync(0xffffffffu, rescale)) {
+          if constexpr (L::kDecode) {  // Oᵀ: row 8nh + 2qc + c's α is held by the quad of lanes 4(2qc + c)
+            float row_alpha[NH][2];
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
+            for (int nh = 0; nh < NH; ++nh)
 #pragma unroll
-            for (int n = 0; n < NT_O; ++n)
+              for (int c = 0; c < 2; ++c) row_alpha[nh][c] = __shfl_sync(0xffffffffu, alpha[nh], 4 * (2 * qc + c));
 #pragma unroll
-              for (int e = 0; e < 4; ++e) acc[mt][n][e] *= alpha[2 * mt + e / 2];
+            for (int n = 0; n < ACC_N; ++n)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) acc[0][n][e] *= row_alpha[n % NH][e & 1];
+          } else {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+              for (int n = 0; n < NT_O; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[mt][n][e] *= alpha[2 * mt + e / 2];
+          }
         }
 
         // ---- O += P·V: the S accumulators of n tiles 2kk, 2kk + 1 are the A fragment of keys 16kk ... 16kk + 15
@@ -854,6 +905,25 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
             pv_pending = true;
           } else {
             run_pv();
+          }
+        } else if constexpr (L::kDecode) {
+          // Oᵀ += Vᵀ·Pᵀ: Pᵀ's B fragment of n tile nh (rows 8nh ...) and keys 16kk ... is (c0, c1) or (c2, c3) of S's
+          // n tiles 2kk, 2kk + 1 as they are; Vᵀ's A fragments are the V tile read transposed, 16 head columns each.
+#pragma unroll
+          for (int kk = 0; kk < L::KEYS_W / 16; ++kk) {
+            unsigned b[NH][2];
+#pragma unroll
+            for (int nh = 0; nh < NH; ++nh) {
+              b[nh][0] = pack2<T>(sacc[0][2 * kk][2 * nh], sacc[0][2 * kk][2 * nh + 1]);
+              b[nh][1] = pack2<T>(sacc[0][2 * kk + 1][2 * nh], sacc[0][2 * kk + 1][2 * nh + 1]);
+            }
+#pragma unroll
+            for (int dm = 0; dm < KSTEPS; ++dm) {
+              unsigned a[4];  // columns 16dm + (0..7 | 8..15) x keys 16kk + (0..7 | 8..15), transposed
+              ldmatrix_x4_trans(a, v_s(st, key0 + kk * 16 + (lane / 16) * 8 + lane % 8, 2 * dm + (lane / 8) % 2));
+#pragma unroll
+              for (int nh = 0; nh < NH; ++nh) mma_16816<T>(acc[0][dm * NH + nh], a, b[nh][0], b[nh][1]);
+            }
           }
         } else {
 #pragma unroll
@@ -896,18 +966,23 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
   if constexpr (L::kDecode) {
     // The warps hold (m, l, acc) of the same rows over disjoint keys: combine them through the idle K/V stages as
     // split-K partitions are combined:  M = max_w m_w,  c_w = 2^(m_w − M),  L = Σ_w c_w·l_w,  o = Σ_w c_w·acc_w.
-    float* acc_s = reinterpret_cast<float*>(kv_s);        // [KEY_WARPS][ROWS][HEAD_P]
-    float* ml_s = acc_s + KEY_WARPS * ROWS * L::HEAD_P;   // [KEY_WARPS][ROWS][2]
+    // (Rows of acc_s are HEAD_P + 4 floats apart: a store of Oᵀ, rows 2qc + c x columns qr + ..., hits 32 banks.)
+    constexpr int PITCH = L::HEAD_P + 4;
+    float* acc_s = reinterpret_cast<float*>(kv_s);   // [KEY_WARPS][ROWS][PITCH]
+    float* ml_s = acc_s + KEY_WARPS * ROWS * PITCH;  // [KEY_WARPS][ROWS][2]
     const int kw = warp % KEY_WARPS;
     __syncthreads();  // every warp is done with the stages
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int r = cta_row(hf);
+    for (int n = 0; n < ACC_N; ++n)
 #pragma unroll
-      for (int n = 0; n < NT_O; ++n) {
-        acc_s[(kw * ROWS + r) * L::HEAD_P + n * 8 + 2 * qc] = acc[0][n][2 * hf];
-        acc_s[(kw * ROWS + r) * L::HEAD_P + n * 8 + 2 * qc + 1] = acc[0][n][2 * hf + 1];
+      for (int e = 0; e < 4; ++e) {
+        const int r = 8 * (n % NH) + 2 * qc + (e & 1);
+        const int d = 16 * (n / NH) + qr + 8 * (e / 2);
+        acc_s[(kw * ROWS + r) * PITCH + d] = acc[0][n][e];
       }
+#pragma unroll
+    for (int hf = 0; hf < NR; ++hf) {
+      const int r = cta_row(hf);
       if (qc == 0) {
         ml_s[(kw * ROWS + r) * 2] = m[hf];
         ml_s[(kw * ROWS + r) * 2 + 1] = l[hf];
@@ -927,7 +1002,7 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, KEY_WARPS, WG>::THREADS
         for (int w = 0; w < KEY_WARPS; ++w) {
           const float c = fast_exp2(ml_s[(w * ROWS + r) * 2] - big_m);  // 0 for a warp that saw no key
           big_l += c * ml_s[(w * ROWS + r) * 2 + 1];
-          o += c * acc_s[(w * ROWS + r) * L::HEAD_P + d];
+          o += c * acc_s[(w * ROWS + r) * PITCH + d];
         }
       }
       const int R = m0 + r;
@@ -1112,45 +1187,56 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_simt(
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Split-K reduction, per (M tile, KV head) as the attention CTAs (same blockIdx.x, y), each output element by one
-// thread: blockIdx.z takes elements z·threads ... of the tile's rows x HEAD (the grid's z covers them all):
+// Split-K reduction, per (M tile, KV head) as the attention CTAs (same blockIdx.x, y):
 //   M = max_p m_p,  w_p = 2^(m_p − M),  out = Σ_p w_p·acc_p / Σ_p w_p·l_p   (zeros when no key contributes).
-// The loops over partitions are unrolled so that their loads are in flight together: with few CTAs (a long
-// sequence split into many partitions) this kernel is a chain of memory latencies, not bandwidth.
+// With few CTAs (a long sequence split into many partitions) this kernel is a chain of memory latencies, not
+// bandwidth: each thread loads kReduceBatch partitions' partials at once, and past kReduceBatch partitions the
+// partitions are spread over groups of threads (reduce_groups: the warps of a CTA in 1, 2, 4 or 8 groups), each an
+// online combine of its own, merged in shared memory. A CTA takes kPrefillReduceThreads / groups output elements
+// (the host's grid.z covers every element of the tile's rows x HEAD: reduce_chunks in _compile.py).
 // ---------------------------------------------------------------------------------------------------------------
-template <typename T, int HEAD, int KEY_WARPS>
+__host__ __device__ constexpr int reduce_groups(int num_parts) {
+  return num_parts <= kReduceBatch ? 1 : num_parts <= 2 * kReduceBatch ? 2 : num_parts <= 4 * kReduceBatch ? 4 : 8;
+}
+
+template <typename T, int HEAD, int DECODE_ROWS>
 __global__ void __launch_bounds__(kPrefillReduceThreads) paged_prefill_reduce(
     T* __restrict__ out, long long out_stride_t, long long out_stride_h,
     const float* __restrict__ part_acc, const float* __restrict__ part_ml,
     const int* __restrict__ query_start_loc, int total_q, const int2* __restrict__ tile_info,
     int num_kv_heads, int group_size, int num_parts) {
-  constexpr int ROWS = sizeof(T) == 4 ? kSimtRowsPerCta : rows_per_cta(HEAD, KEY_WARPS);  // the M tile's
+  constexpr int ROWS = sizeof(T) == 4 ? kSimtRowsPerCta : rows_per_cta(HEAD, DECODE_ROWS);  // the M tile's
+  __shared__ float3 merge_s[kPrefillReduceThreads];  // (m, l, o) of each thread, when groups > 1
   const CtaRows cta = cta_rows(tile_info, query_start_loc, total_q, group_size, num_kv_heads, ROWS);
   if (cta.s < 0) return;
   const int G = group_size;
   const int m0 = cta.tile * ROWS;
   const int rows = min(cta.q_len * G - m0, ROWS);
   const int num_heads = num_kv_heads * G;
+  const int groups = reduce_groups(num_parts);
+  const int elems = kPrefillReduceThreads / groups;  // output elements per CTA
+  const int e = threadIdx.x % elems;
+  const int group = threadIdx.x / elems;  // this thread's partitions: group, group + groups, ...
   wait_for_primary();  // decode launches this reduction early: the attention kernel's partials are now complete
   const long long part_stride = static_cast<long long>(total_q) * num_heads;
-  for (int idx = blockIdx.z * kPrefillReduceThreads + threadIdx.x; idx < rows * HEAD;
-       idx += gridDim.z * kPrefillReduceThreads) {
+  const float2* ml2 = reinterpret_cast<const float2*>(part_ml);
+  for (int base = blockIdx.z * elems; base < rows * HEAD; base += gridDim.z * elems) {  // (uniform over the CTA)
+    const int idx = min(base + e, rows * HEAD - 1);  // (a thread past the end computes the last element again)
     const int R = m0 + idx / HEAD;
     const int d = idx % HEAD;
     const long long q_row = cta.q0 + R / G;
     const int h = cta.kvh * G + R % G;
     const long long at = q_row * num_heads + h;
-    // One online pass over the partitions, eight at a time: their (m, l) and acc are loaded together, then
-    // combined (a pass for the max and a second for the sums, each waiting on a load per partition, took 10 us
-    // for 32 partitions at B1 H32/8 L65536: the long-context decode's tail).
-    const float2* ml2 = reinterpret_cast<const float2*>(part_ml);
+    // One online pass over this group's partitions, kReduceBatch at a time: their (m, l) and acc are loaded
+    // together, then combined (a pass for the max and a second for the sums, each waiting on a load per partition,
+    // took 10 us for 32 partitions at B1 H32/8 L65536: the long-context decode's tail).
     float big_m = -inf(), big_l = 0.0f, o = 0.0f;
-    for (int p0 = 0; p0 < num_parts; p0 += kReduceBatch) {
+    for (int p0 = group; p0 < num_parts; p0 += kReduceBatch * groups) {
       float2 ml[kReduceBatch];
       float a[kReduceBatch];
 #pragma unroll
       for (int i = 0; i < kReduceBatch; ++i) {  // unpredicated loads (past the last partition: the last again)
-        const long long slot = min(p0 + i, num_parts - 1) * part_stride + at;
+        const long long slot = min(p0 + i * groups, num_parts - 1) * part_stride + at;
         ml[i] = ml2[slot];
         a[i] = part_acc[slot * HEAD + d];
       }
@@ -1158,7 +1244,7 @@ __global__ void __launch_bounds__(kPrefillReduceThreads) paged_prefill_reduce(
       for (int i = 0; i < kReduceBatch; ++i) {
         // A partition that saw no key of this row (m = −inf, l = 0, acc = 0) weighs nothing; one past the last
         // counts as such.
-        if (p0 + i >= num_parts) ml[i].x = -inf();
+        if (p0 + i * groups >= num_parts) ml[i].x = -inf();
         const float m_new = fmaxf(big_m, ml[i].x);
         const float alpha = big_m == -inf() ? 0.0f : fast_exp2(big_m - m_new);
         const float w = ml[i].x == -inf() ? 0.0f : fast_exp2(ml[i].x - m_new);
@@ -1167,7 +1253,24 @@ __global__ void __launch_bounds__(kPrefillReduceThreads) paged_prefill_reduce(
         big_m = m_new;
       }
     }
-    out[q_row * out_stride_t + h * out_stride_h + d] = from_float<T>(big_l > 0.0f ? o / big_l : 0.0f);
+    if (groups > 1) {  // group 0 merges the groups' (m, l, o) of its element, as the partitions were merged
+      merge_s[threadIdx.x] = make_float3(big_m, big_l, o);
+      __syncthreads();
+      if (group == 0) {
+        for (int g = 1; g < groups; ++g) {
+          const float3 v = merge_s[g * elems + e];
+          const float m_new = fmaxf(big_m, v.x);
+          const float alpha = big_m == -inf() ? 0.0f : fast_exp2(big_m - m_new);
+          const float w = v.x == -inf() ? 0.0f : fast_exp2(v.x - m_new);
+          big_l = big_l * alpha + w * v.y;
+          o = o * alpha + w * v.z;
+          big_m = m_new;
+        }
+      }
+      __syncthreads();  // merge_s is free for the next element
+    }
+    if (group == 0 && base + e < rows * HEAD)
+      out[q_row * out_stride_t + h * out_stride_h + d] = from_float<T>(big_l > 0.0f ? o / big_l : 0.0f);
   }
 }
 

@@ -98,7 +98,8 @@ def test_split_grid_caps_its_ctas_per_sm(rng, smem_per_sm):
 def test_every_prefill_specialisation_compiles(dtype, arch):
     specs = [s for s in _compile.all_prefill_specs() if s.dtype == dtype]
     prefill = len(_compile.HEAD_SIZES) * len(_compile.KV_LAYOUTS) * len(_compile.PREFILL_BIAS_MODES)
-    decode_tc = len(_compile.DECODE_MMA_HEAD_SIZES) * len(_compile.KV_LAYOUTS) * len(_compile.BIAS_MODES)
+    decode_tc = (len(_compile.DECODE_ROWS) * len(_compile.DECODE_MMA_HEAD_SIZES) * len(_compile.KV_LAYOUTS)
+                 * len(_compile.BIAS_MODES))
     hopper = len(_compile.WGMMA_HEAD_SIZES) * len(_compile.KV_LAYOUTS) * len(_compile.WGMMA_BIAS_MODES)
     assert len(specs) == prefill + (decode_tc + hopper if dtype != "f32" else 0)
     by_arch: dict[str, list] = {}
@@ -115,27 +116,33 @@ def test_prefill_keys_and_shared_memory():
     spec = _compile.PrefillSpec("bf16", 128, "nhd", "t5")
     assert spec.key == "paged_prefill_bf16_d128_nhd_bias-t5"
     assert spec.name_expressions()[0] == \
-        "cpa::paged_prefill<__nv_bfloat16, 128, cpa::KvLayout::kNHD, cpa::T5Bias, 1, false>"
+        "cpa::paged_prefill<__nv_bfloat16, 128, cpa::KvLayout::kNHD, cpa::T5Bias, 0, false>"
     assert _compile.PrefillSpec("f32", 64, "vllm", "none").name_expressions()[0].startswith("cpa::paged_prefill_simt<")
-    decode_spec = _compile.PrefillSpec("f16", 64, "vllm", "ragged", _compile.DECODE_KEY_WARPS)
-    assert decode_spec.key == "paged_prefill_f16_d64_vllm_bias-ragged_decode"
+    decode_spec = _compile.PrefillSpec("f16", 64, "vllm", "ragged", 8)
+    assert decode_spec.key == "paged_prefill_f16_d64_vllm_bias-ragged_decode8"
     assert decode_spec.name_expressions()[:2] == (
-        "cpa::paged_prefill<__half, 64, cpa::KvLayout::kVLLM, cpa::RaggedBias, 4, false>",
-        "cpa::paged_prefill_reduce<__half, 64, 4>")
+        "cpa::paged_prefill<__half, 64, cpa::KvLayout::kVLLM, cpa::RaggedBias, 8, false>",
+        "cpa::paged_prefill_reduce<__half, 64, 8>")
     # Two CTAs of the largest specialisation fit one H100/H200 SM (227 KB per CTA, 228 KB per SM), in either tiling.
     assert max(_compile.prefill_smem_bytes(dt, d) for dt in ("f16", "bf16") for d in _compile.HEAD_SIZES) <= 113 * 1024
-    assert max(_compile.prefill_smem_bytes("bf16", d, _compile.DECODE_KEY_WARPS)
-               for d in _compile.DECODE_MMA_HEAD_SIZES) <= 113 * 1024
+    # The decode tiling's CTAs per SM fit likewise: three of 8 rows at head size 128 (two K/V stages).
+    for rows in _compile.DECODE_ROWS:
+        for d in _compile.DECODE_MMA_HEAD_SIZES:
+            ctas = _compile.decode_ctas_per_sm(d, rows)
+            assert ctas * (_compile.prefill_smem_bytes("bf16", d, rows) + 1024) <= 227 * 1024
+    assert _compile.decode_ctas_per_sm(128, 8) == 3 and _compile.decode_stages(128, 8) == 2
+    assert _compile.decode_ctas_per_sm(128, 16) == 2 and _compile.decode_stages(128, 16) == 3
     assert _compile.prefill_smem_bytes("f32", 128) == 0
     assert '#include "mma.cuh"' not in _compile.kernel_source("paged_prefill.cu")
 
 
-@pytest.mark.parametrize(("dtype", "head_size", "heads", "tensor_cores"), [
-    ("bf16", 128, (32, 8), True), ("f16", 64, (40, 2), True), ("bf16", 128, (16, 16), False),
-    ("f32", 128, (32, 8), False), ("bf16", 192, (32, 8), False),
+@pytest.mark.parametrize(("dtype", "head_size", "heads", "tensor_cores", "rows"), [
+    ("bf16", 128, (32, 8), True, 8), ("f16", 64, (40, 2), True, 16), ("bf16", 128, (64, 2), True, 16),
+    ("f16", 96, (16, 2), True, 8), ("bf16", 128, (16, 16), False, 0), ("f32", 128, (32, 8), False, 0),
+    ("bf16", 192, (32, 8), False, 0),
 ])
-def test_tensor_core_decode_planning(rng, dtype, head_size, heads, tensor_cores):
-    """Grouped-query 16-bit decode up to head size 128 runs the tensor-core kernel: one CTA per (sequence, 16
+def test_tensor_core_decode_planning(rng, dtype, head_size, heads, tensor_cores, rows):
+    """Grouped-query 16-bit decode up to head size 128 runs the tensor-core kernel: one CTA per (sequence, 8 or 16
     query heads of a group, KV head) in x and per partition in z, partitions a multiple of its 64-key tile."""
     p = make_problem(rng, [1, 5000], num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size, dtype=dtype,
                      extra_table_cols=0, spare_blocks=0)
@@ -144,11 +151,14 @@ def test_tensor_core_decode_planning(rng, dtype, head_size, heads, tensor_cores)
     plan = decode.plan_decode(problem, num_sms=132)
     assert plan.tensor_cores == tensor_cores
     if tensor_cores:
-        tiles = -(-(heads[0] // heads[1]) // 16)
+        tiles = -(-(heads[0] // heads[1]) // rows)
         assert plan.grid == (2 * tiles * heads[1], 1, plan.num_parts)
-        assert plan.spec.key_warps == _compile.DECODE_KEY_WARPS and plan.tokens_per_part % 64 == 0
+        assert plan.spec.decode_rows == rows and plan.tokens_per_part % 64 == 0
         assert plan.threads == _compile.PREFILL_THREADS
-        assert (plan.reduce_grid, plan.reduce_threads) == ((2 * tiles * heads[1], 1, head_size // 8),
+        # One reduction thread per output element and group of partitions (8 partitions a group, up to 8 groups).
+        groups = min(8, 1 << (-(-plan.num_parts // 8) - 1).bit_length())
+        assert groups == _compile.reduce_groups(plan.num_parts)
+        assert (plan.reduce_grid, plan.reduce_threads) == ((2 * tiles * heads[1], 1, rows * head_size * groups // 128),
                                                            _compile.PREFILL_REDUCE_THREADS)
     assert plan.num_parts * plan.tokens_per_part >= problem.max_len
 
@@ -173,7 +183,9 @@ def test_prefill_planning(rng, dtype, head_size, rows, tile):
         assert launch.num_tiles == -(-308 * 4 // rows) + 4
         assert launch.tokens_per_part % tile == 0 and launch.num_parts * launch.tokens_per_part >= 1000
         assert (launch.num_parts > 1) == (sms > 1)
-    assert _compile.reduce_chunks(rows, head_size) * _compile.PREFILL_REDUCE_THREADS >= rows * head_size
+    for parts in (1, 2, 9, 33, 200):
+        elems = _compile.PREFILL_REDUCE_THREADS // _compile.reduce_groups(parts)
+        assert _compile.reduce_chunks(rows, head_size, parts) * elems >= rows * head_size
 
 
 @pytest.mark.parametrize(("dtype", "head_size", "hopper"), [
@@ -198,7 +210,7 @@ def test_hopper_tiling_planning(rng, dtype, head_size, hopper):
         spec = launch.spec
         assert spec.threads == _compile.WGMMA_THREADS == 256 and launch.tokens_per_part % 64 == 0
         assert spec.key.endswith("_wgmma") and "-arch=sm_90a" in spec.options
-        assert spec.name_expressions()[0].endswith(", 1, true>")
+        assert spec.name_expressions()[0].endswith(", 0, true>")
         assert (spec.offline_arch("sm_90"), spec.offline_arch("sm_80")) == ("sm_90a", None)
         assert _compile.prefill_smem_bytes(dtype, head_size, wgmma=True) <= 227 * 1024
     else:
@@ -256,21 +268,23 @@ def test_host_mirrors_of_kernel_constants():
     checks = []
     for dt in ("f16", "bf16"):
         for d in _compile.HEAD_SIZES:
-            for kw in (_compile.PREFILL_KEY_WARPS, _compile.DECODE_KEY_WARPS):
-                if kw == _compile.DECODE_KEY_WARPS and d not in _compile.DECODE_MMA_HEAD_SIZES:
+            for rows in (0, *_compile.DECODE_ROWS):
+                if rows and d not in _compile.DECODE_MMA_HEAD_SIZES:
                     continue
-                layout = f"cpa::PrefillLayout<{t[dt]}, {d}, {kw}>"
-                checks += [f"static_assert({layout}::kSmemBytes == {_compile.prefill_smem_bytes(dt, d, kw)}, "
-                           f"\"smem {dt} d{d} kw{kw}\");",
-                           f"static_assert({layout}::TILE_N == {_compile.prefill_tile_keys(d, kw)}, \"tile d{d}\");",
-                           f"static_assert({layout}::ROWS == {_compile.rows_per_cta(d, kw)}, \"rows d{d} kw{kw}\");",
-                           f"static_assert({layout}::MT == {_compile.prefill_m_tiles(d, kw)}, \"m tiles d{d}\");"]
-                if kw == _compile.DECODE_KEY_WARPS:
-                    checks.append(f"static_assert({layout}::kCtasPerSm == {_compile.decode_ctas_per_sm(d)}, "
-                                  f"\"ctas d{d}\");")
+                layout = f"cpa::PrefillLayout<{t[dt]}, {d}, {rows}>"
+                checks += [f"static_assert({layout}::kSmemBytes == {_compile.prefill_smem_bytes(dt, d, rows)}, "
+                           f"\"smem {dt} d{d} rows{rows}\");",
+                           f"static_assert({layout}::TILE_N == {_compile.prefill_tile_keys(d, rows)}, \"tile d{d}\");",
+                           f"static_assert({layout}::ROWS == {_compile.rows_per_cta(d, rows)}, \"rows d{d} {rows}\");",
+                           f"static_assert({layout}::MT == {_compile.prefill_m_tiles(d, rows)}, \"m tiles d{d}\");"]
+                if rows:
+                    checks += [f"static_assert({layout}::kCtasPerSm == {_compile.decode_ctas_per_sm(d, rows)}, "
+                               f"\"ctas d{d} rows{rows}\");",
+                               f"static_assert({layout}::STAGES == {_compile.decode_stages(d, rows)}, "
+                               f"\"stages d{d} rows{rows}\");"]
     for dt in ("f16", "bf16"):
         for d in _compile.WGMMA_HEAD_SIZES:
-            layout = f"cpa::PrefillLayout<{t[dt]}, {d}, {_compile.PREFILL_KEY_WARPS}, true>"
+            layout = f"cpa::PrefillLayout<{t[dt]}, {d}, 0, true>"
             checks += [f"static_assert({layout}::kSmemBytes == {_compile.prefill_smem_bytes(dt, d, wgmma=True)}, "
                        f"\"hopper smem {dt} d{d}\");",
                        f"static_assert({layout}::TILE_N == {_compile.prefill_tile_keys(d, wgmma=True)}, \"tile\");",
@@ -280,6 +294,9 @@ def test_host_mirrors_of_kernel_constants():
     checks.append(f"static_assert(cpa::kRelTableMax == {_compile.PREFILL_REL_TABLE}, \"t5 table\");")
     checks.append(f"static_assert(cpa::kPrefillReduceThreads == {_compile.PREFILL_REDUCE_THREADS}, \"reduce\");")
     checks.append(f"static_assert(cpa::kSimtRowsPerCta == {_compile.SIMT_ROWS_PER_CTA}, \"simt rows\");")
+    checks.append(f"static_assert(cpa::kReduceBatch == {_compile.PREFILL_REDUCE_BATCH}, \"reduce batch\");")
+    checks += [f"static_assert(cpa::reduce_groups({n}) == {_compile.reduce_groups(n)}, \"groups {n}\");"
+               for n in range(1, 80)]
     _compile.compile_offline("paged_prefill.cu", [], "sm_90", "\n" + "\n".join(checks) + "\n")
 
     decode_checks = [f"static_assert(cpa::kDecodeThreads == {decode._THREADS}, \"threads\");",

@@ -104,6 +104,7 @@ KERNEL_GRID = [  # (dtype, head_size, block_size, (num_heads, num_kv_heads), lay
     ("bf16", 64, 32, (16, 16), "nhd", "t5-bidir"), ("f16", 32, 16, (6, 2), "nhd", "broadcast-head"),
     ("bf16", 80, 16, (8, 1), "vllm", "t5-causal"), ("f16", 96, 32, (40, 2), "nhd", "dense"),
     ("bf16", 112, 8, (12, 4), "nhd", "none"), ("f16", 120, 16, (16, 4), "vllm", "strided"),
+    ("bf16", 128, 16, (32, 2), "vllm", "t5-causal"), ("f16", 64, 16, (24, 2), "nhd", "dense"),
 ]
 
 
@@ -112,7 +113,8 @@ KERNEL_GRID = [  # (dtype, head_size, block_size, (num_heads, num_kv_heads), lay
                          ids=[f"{d}-d{h}-b{b}-{q}of{k}-{lay}-{bias}" for d, h, b, (q, k), lay, bias in KERNEL_GRID])
 def test_both_decode_kernels(rng, split, monkeypatch, kernel, dtype, head_size, block_size, heads, layout, bias):
     """16-bit decode with head sizes up to 128 has two kernels: the tensor-core one (grouped queries) and the FP32
-    loop (paged_decode.cu). Each, forced, on every group shape: MHA, GQA, MQA, more than 16 heads per KV head."""
+    loop (paged_decode.cu). Each, forced, on every group shape: MHA, GQA, MQA, more than 16 heads per KV head; the
+    tensor-core kernel's CTAs of 8 rows (groups up to 8) and of 16 (9 to 16 heads, or two CTAs past 16)."""
     monkeypatch.setattr(decode, "TENSOR_CORE_MIN_GROUP", 1 if kernel == "tensor-cores" else 10**9)
     alibi = head_size in (64, 112)
     p = make_problem(rng, SEQ_LENS, num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size,
@@ -128,7 +130,7 @@ def test_both_decode_kernels(rng, split, monkeypatch, kernel, dtype, head_size, 
 
 KIND_GRID = [  # (dtype, head_size, (num_heads, num_kv_heads), layout, bias dtype)
     ("bf16", 128, (8, 2), "nhd", "bf16"), ("f16", 64, (4, 4), "vllm", "f32"), ("f32", 96, (6, 2), "nhd", "f16"),
-    ("bf16", 256, (8, 1), "vllm", "f32"), ("f16", 80, (16, 2), "nhd", "f16"),
+    ("bf16", 256, (8, 1), "vllm", "f32"), ("f16", 80, (16, 2), "nhd", "f16"), ("bf16", 128, (32, 2), "vllm", "bf16"),
 ]
 
 

@@ -38,6 +38,8 @@ CASES = [  # (name, make_problem keywords, force split-K)
     ("t5-causal-f32-split", dict(seq_lens=[260], num_heads=4, num_kv_heads=1, bias="t5-causal"), True),
     ("gqa20-bf16-d96-t5-split", dict(seq_lens=[333, 64, 1], num_heads=40, num_kv_heads=2, head_size=96,
                                      dtype="bf16", bias="t5-bidir", bias_dtype="bf16"), True),
+    ("gqa16-bf16-d128-dense", dict(seq_lens=[200, 3], num_heads=32, num_kv_heads=2, head_size=128, dtype="bf16",
+                                   bias="dense", bias_dtype="bf16", alibi=True), False),
 ]
 
 
