@@ -1255,7 +1255,7 @@ __global__ void __launch_bounds__(kPrefillReduceThreads) paged_prefill_reduce(
     }
     if (groups > 1) {  // group 0 merges the groups' (m, l, o) of its element, as the partitions were merged
       merge_s[threadIdx.x] = make_float3(big_m, big_l, o);
-      __syncthreads();
+      __syncthreads();  // every group's (m, l, o) of this element is in merge_s before group 0 reads them
       if (group == 0) {
         for (int g = 1; g < groups; ++g) {
           const float3 v = merge_s[g * elems + e];
