@@ -292,16 +292,18 @@ def decode_ctas_per_sm(head_size: int, rows: int) -> int:
     return 3 if _padded_head(head_size) <= 64 or rows == 8 else 2
 
 
-def _decode_smem_bytes(head_size: int, rows: int, stages: int) -> int:
-    row = _padded_head(head_size) // 8 + 1  # 16-byte vectors per padded row
-    return (rows + stages * 2 * 64) * row * 16 + (stages + 1) * 64 * 8 + 2 * rows * 4
+def _tiling_smem_bytes(rows: int, row: int, tile: int, stages: int, page_buffers: int, rel_table: int,
+                       align: int) -> int:
+    """Dynamic shared memory of a tensor-core CTA (tiling_smem_bytes in paged_prefill.cu): Q and the K/V stages
+    in rows of ``row`` 16-byte vectors, the page offsets, the T5 table and the far constants, the alignment."""
+    return (rows + stages * 2 * tile) * row * 16 + page_buffers * tile * 8 + (rel_table + 2 * rows) * 4 + align
 
 
 def decode_stages(head_size: int, rows: int) -> int:
     """K/V stages of the decode tiling (decode_stages in paged_prefill.cu): three, or two where its CTAs per SM
-    would not fit three."""
-    fits = decode_ctas_per_sm(head_size, rows) * (_decode_smem_bytes(head_size, rows, 3) + 1024) <= 227 * 1024
-    return 3 if fits else 2
+    would not fit three (with their four page buffers)."""
+    three = _tiling_smem_bytes(rows, _padded_head(head_size) // 8 + 1, prefill_tile_keys(head_size, rows), 3, 4, 0, 0)
+    return 3 if decode_ctas_per_sm(head_size, rows) * (three + 1024) <= 227 * 1024 else 2
 
 
 def reduce_groups(num_parts: int) -> int:
@@ -322,20 +324,17 @@ def prefill_smem_bytes(dtype: str, head_size: int, decode_rows: int = 0, wgmma: 
     """Dynamic shared memory of one tensor-core CTA (PrefillLayout::kSmemBytes; 0 for the float32 SIMT kernel)."""
     if dtype == "f32":
         return 0
-    if decode_rows:
-        return _decode_smem_bytes(head_size, decode_rows, decode_stages(head_size, decode_rows))
     row = _padded_head(head_size) // 8 + (0 if wgmma else 1)  # 16-byte vectors per (padded) row
-    tile = prefill_tile_keys(head_size, 0, wgmma)
-    rows = _WGMMA_ROWS if wgmma else rows_per_cta(head_size)
+    tile = prefill_tile_keys(head_size, decode_rows, wgmma)
+    rows = _WGMMA_ROWS if wgmma else rows_per_cta(head_size, decode_rows)
     if wgmma:  # three stages where the P·V is deferred (wgmma_deferred), one tile of copies ahead
         stages, ahead = (3 if head_size <= 64 else 2), 1
     else:
-        stages = _PREFILL_STAGES
+        stages = decode_stages(head_size, decode_rows) if decode_rows else _PREFILL_STAGES
         ahead = stages - 1  # tiles in flight while one computes (PrefillLayout::AHEAD)
-    rel_table = PREFILL_REL_TABLE
+    rel_table = 0 if decode_rows else PREFILL_REL_TABLE  # (decode reads T5's table per logit)
     align = 1024 if wgmma else 0  # Q and the stages start on the 128-byte swizzle's period
-    return (rows * row * 16 + stages * 2 * tile * row * 16 + (ahead + 2) * tile * 8
-            + (rel_table + 2 * rows) * 4 + align)
+    return _tiling_smem_bytes(rows, row, tile, stages, ahead + 2, rel_table, align)
 
 
 @dataclass(frozen=True)

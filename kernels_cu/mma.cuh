@@ -43,7 +43,9 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* smem_r
 
 // ldmatrix.x2: matrices 0 and 1, addressed by lanes 0 ... 15 (the others' addresses are not read).
 __device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* smem_row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(smem_row)));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(smem_addr(smem_row)));
 }
 
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* smem_row) {

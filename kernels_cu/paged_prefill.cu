@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(kPlanThreads) paged_prefill_plan(const int* __
 //                head size is the mma's M and the rows its N (8 per n tile), so a CTA of 8 rows holds half the
 //                accumulators (and issues half the mmas) of an m16 O. Pᵀ's B fragments are S's C fragments as
 //                they stand (mma.cuh). Memory-bound, so its pipeline is deeper.
-// Host mirror: _compile.py (rows_per_cta, prefill_tile_keys, prefill_smem_bytes, decode_ctas_per_sm).
+// Host mirror: _compile.py (rows_per_cta, prefill_tile_keys, prefill_smem_bytes, decode_ctas_per_sm, decode_stages).
 // ---------------------------------------------------------------------------------------------------------------
 constexpr int kDecodeKeyWarps = 4;
 __host__ __device__ constexpr int prefill_m_tiles(int head, int decode_rows) {
@@ -182,14 +182,21 @@ __host__ __device__ constexpr int prefill_m_tiles(int head, int decode_rows) {
 __host__ __device__ constexpr int rows_per_cta(int head, int decode_rows) {
   return decode_rows > 0 ? decode_rows : kRowsPerMma * prefill_m_tiles(head, 0) * kPrefillWarps;
 }
-// Decode tiling: CTAs per SM (three where a CTA's registers allow: head sizes up to 64, or 8 rows, whose
-// accumulators are half), and K/V stages (three, or two where three CTAs of three stages overflow the SM's 227 KB).
-__host__ __device__ constexpr int decode_ctas_per_sm(int head_p, int rows) { return head_p <= 64 || rows == 8 ? 3 : 2; }
-__host__ __device__ constexpr int decode_smem_bytes(int head_p, int rows, int stages) {
-  return (rows + stages * 2 * 64) * (head_p / 8 + 1) * 16 + (stages + 1) * 64 * 8 + 2 * rows * 4;
+// Shared memory of a CTA, in bytes (PrefillLayout::kSmemBytes): Q_s [rows][row] and the K/V stages
+// [stages][K, V][tile][row] (16-byte vectors), page_s [page_buffers][tile] long longs, rel_s [rel_table] and
+// far_s [2][rows] floats, then align (Hopper: Q_s and the stages start on the swizzle's period).
+__host__ __device__ constexpr int tiling_smem_bytes(int rows, int row, int tile, int stages, int page_buffers,
+                                                    int rel_table, int align) {
+  return (rows + stages * 2 * tile) * row * kVecBytes + page_buffers * tile * 8 + (rel_table + 2 * rows) * 4 + align;
 }
+// Decode tiling: CTAs per SM (three where a CTA's registers allow: head sizes up to 64, or 8 rows, whose
+// accumulators are half), and K/V stages (three, or two where three CTAs of three stages, with their four page
+// buffers, overflow the SM's 227 KB).
+constexpr int kDecodeTileKeys = 64;
+__host__ __device__ constexpr int decode_ctas_per_sm(int head_p, int rows) { return head_p <= 64 || rows == 8 ? 3 : 2; }
 __host__ __device__ constexpr int decode_stages(int head_p, int rows) {
-  return decode_ctas_per_sm(head_p, rows) * (decode_smem_bytes(head_p, rows, 3) + 1024) <= 227 * 1024 ? 3 : 2;
+  return decode_ctas_per_sm(head_p, rows) * (tiling_smem_bytes(rows, head_p / 8 + 1, kDecodeTileKeys, 3, 4, 0, 0) +
+                                             1024) <= 227 * 1024 ? 3 : 2;
 }
 
 template <typename T, int HEAD, int DECODE_ROWS, bool WG = false>
@@ -236,15 +243,10 @@ struct PrefillLayout {
   static constexpr int PAGE_BUFFERS = AHEAD + 2;  // tiles whose page offsets are in shared memory (see page_s)
   // Decode has one query position per CTA: T5 reads its table per logit (most tiles are far ones anyway).
   static constexpr int REL_TABLE = kDecode ? 0 : kRelTableMax;
-  // Shared memory, in bytes: Q_s [ROWS][ROW], KV_s [STAGES][K, V][TILE_N][ROW] (16-byte vectors),
-  // page_s [PAGE_BUFFERS][TILE_N] long longs, rel_s [REL_TABLE] floats, far_s [2][ROWS] floats; Hopper also 1024
-  // bytes to align Q_s and KV_s on the swizzle's period.
-  static constexpr int kQBytes = ROWS * ROW * kVecBytes;
+  // Shared memory, in bytes (tiling_smem_bytes; Hopper: 1024 more, to align Q_s and KV_s on the swizzle's period).
   static constexpr int kKVBytes = STAGES * 2 * TILE_N * ROW * kVecBytes;
-  static constexpr int kPageBytes = PAGE_BUFFERS * TILE_N * 8;
-  static constexpr int kRelBytes = (REL_TABLE + 2 * ROWS) * 4;
-  static constexpr int kAlignBytes = WG ? 1024 : 0;
-  static constexpr int kSmemBytes = kQBytes + kKVBytes + kPageBytes + kRelBytes + kAlignBytes;
+  static constexpr int kSmemBytes =
+      tiling_smem_bytes(ROWS, ROW, TILE_N, STAGES, PAGE_BUFFERS, REL_TABLE, WG ? 1024 : 0);
   static_assert(sizeof(T) == 2, "the tensor-core kernel takes float16 / bfloat16");
   static_assert(kCtasPerSm * (kSmemBytes + 1024) <= 227 * 1024, "the CTAs per SM fit in an H100/H200 SM");
   static_assert(!WG || (!kDecode && HEAD % 64 == 0 && (NT_S == 8 || NT_S == 16) && (NT_O == 8 || NT_O == 16) &&
@@ -253,14 +255,15 @@ struct PrefillLayout {
   static_assert(HEAD % VEC == 0 && NV % 2 == 0, "whole vectors, pairs of 8-column matrices");
   static_assert(KEYS_W % 16 == 0, "P·V takes keys 16 at a time");
   static_assert(!kDecode || KEY_WARPS * ROWS * (HEAD_P + 6) * 4 <= kKVBytes, "the warps combine in the K/V stages");
-  static_assert(!kDecode || (MT == 1 && (ROWS == 8 || ROWS == 16) && TILE_N == 64), "decode: one m tile, 64 keys");
-  static_assert(!kDecode || kSmemBytes == decode_smem_bytes(HEAD_P, ROWS, STAGES), "decode_smem_bytes");
+  static_assert(!kDecode || (MT == 1 && (ROWS == 8 || ROWS == 16) && TILE_N == kDecodeTileKeys),
+                "decode: one m tile, kDecodeTileKeys keys");
 };
 
 // ---------------------------------------------------------------------------------------------------------------
 // The tensor-core kernel. Template parameters: T (__half / __nv_bfloat16), HEAD, cache LAYOUT, Bias = NoBias,
-// DenseBias, RaggedBias (decode) or T5Bias (common.cuh), DECODE_ROWS (0: prefill; see PrefillLayout). Run-time: page size
-// (block_shift), causal, ALiBi, bias dtype, split. Decode passes query_start_loc = tile_info = null (cta_rows).
+// DenseBias, RaggedBias (decode) or T5Bias (common.cuh), DECODE_ROWS (0: prefill; see PrefillLayout). Run-time:
+// page size (block_shift), causal, ALiBi, bias dtype, split. Decode passes query_start_loc = tile_info = null
+// (cta_rows).
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T, int HEAD, KvLayout LAYOUT, typename Bias, int DECODE_ROWS, bool WG>
 __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREADS,
@@ -294,7 +297,8 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
   constexpr bool kT5 = SameType<Bias, T5Bias>::value;
   // No launch_dependents() here: the decode tiling's reduction is launched as a dependent all the same (it then starts
   // as this grid ends). The call, even at the top, changed prefill's whole schedule (prefill d128 ~5 % slower), and in
-  // the decode tiling alone it measured 0.5-1 % slower (B1 H32/8 L65536 dense 82.2 -> 82.9 us; B4 L32768 148.3 -> 149.3).
+  // the decode tiling alone it measured 0.5-1 % slower (B1 H32/8 L65536 dense 82.2 -> 82.9 us; B4 L32768 148.3 ->
+  // 149.3).
 
   extern __shared__ uint4 smem[];
   // (Hopper: Q_s and the stages start on the 128-byte swizzle's period, 1024 bytes.)
