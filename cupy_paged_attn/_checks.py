@@ -179,7 +179,8 @@ class CheckedBias:
     mode: str  # "none" | "dense" | "ragged" | "t5" (the specialisation's bias mode)
     array: Any = None  # dense: the bias; ragged: values; t5: the table (wrapped)
     index: Any = None  # ragged: offsets; t5: buckets (wrapped, unit stride)
-    strides: tuple[int, int, int, int] = (0, 0, 0, 0)  # elements; dense (s, h, i, j), ragged/t5 (row, h, 0, 0)
+    strides: tuple[int, int, int, int] = (0, 0, 0, 0)  # elements: dense (s, h, i, j), ragged (row, h, 0, 0),
+    # t5 (bucket, h, buckets per side, 0)
     dtype: str | None = None  # "f32" | "f16" | "bf16"
     n: int = 0  # ragged: rows of values; t5: max_distance
     m: int = 0  # t5: buckets per side when bidirectional, else 0
@@ -227,7 +228,8 @@ def check_bias(attn_bias: Any, arrays: dict[str, Any], num_seqs: int, num_heads:
                     "[max_distance + 1] (as RelativePositionBias built it)")
         check_dtype("attn_bias.buckets", arrays["attn_bias.buckets"], (np.int32,))
         st = element_strides(table)
-        return CheckedBias("t5", table, arrays["attn_bias.buckets"], (st[0], st[1], 0, 0), dtype,
+        # The third slot is no stride: the buckets of one side, which the FP32 decode kernel's near table needs.
+        return CheckedBias("t5", table, arrays["attn_bias.buckets"], (st[0], st[1], attn_bias.per_side, 0), dtype,
                            n=attn_bias.max_distance, m=attn_bias.per_side if attn_bias.bidirectional else 0,
                            source=attn_bias)
     bias = arrays["attn_bias"]

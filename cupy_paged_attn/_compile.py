@@ -84,8 +84,9 @@ class DecodeSpec:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory of the kernel (DecodeLayout::kSmemBytes, plus kNearBytes with a T5 bias)."""
-        near = self.heads_per_cta * DECODE_T5_NEAR_DISTANCES * 4 if self.bias == "t5" else 0
+        """Dynamic shared memory of the kernel (DecodeLayout::kSmemBytes, plus kNearBytes with a T5 bias: a near
+        table and a bucket column per head)."""
+        near = 2 * self.heads_per_cta * DECODE_T5_NEAR_DISTANCES * 4 if self.bias == "t5" else 0
         return DECODE_SMEM_BYTES + near
 
     def name_expressions(self) -> tuple[str, str]:

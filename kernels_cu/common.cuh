@@ -256,7 +256,8 @@ enum BiasDtype : int { kBiasF32 = 0, kBiasF16 = 1, kBiasBF16 = 2 };
 struct BiasArgs {
   const void* ptr;       // dense: the bias; ragged: its values; t5: the bias table
   const int* index;      // ragged: offsets [num_seqs + 1]; t5: bucket of each distance [max_distance + 1]
-  long long stride[4];   // in elements. dense: (s, h, i, j); ragged: (token, h, -, -); t5: (bucket, h, -, -)
+  long long stride[4];   // in elements. dense: (s, h, i, j); ragged: (token, h, -, -); t5: (bucket, h, *, -)
+                         // (* t5: not a stride, the buckets of one side: num_buckets, or half when bidirectional)
   int dtype;             // BiasDtype of ptr's elements
   int n;                 // ragged: rows of values; t5: max_distance
   int m;                 // t5: bidirectional ? buckets per side : 0
@@ -414,8 +415,14 @@ struct T5Bias {
     __device__ __forceinline__ int limit(int len) const { return len; }
     __device__ __forceinline__ Raw load(int h, int, int p, int j) const { return load_at(a, far, h, p, j); }
     __device__ __forceinline__ Row row(int h, int, int p, const Raw* near) const {
-      return {a.ptr, a.index, a.stride[0], h * a.stride[1], a.dtype, a.n, p, weight(a, far, h), near};
+      return row(h, 0, p, near, weight(a, far, h));
     }
+    // The same with the far keys' weight bits given.
+    __device__ __forceinline__ Row row(int h, int, int p, const Raw* near, Raw far_bits) const {
+      return {a.ptr, a.index, a.stride[0], h * a.stride[1], a.dtype, a.n, p, far_bits, near};
+    }
+    // Buckets on the side of keys at or before the query: [0, per_side()) (and far < per_side()).
+    __device__ __forceinline__ int per_side() const { return static_cast<int>(a.stride[2]); }
     // The bucket of a key at distance d (0 <= d) before the query, and a bucket's weight for head h: the near
     // table's entries, in two steps so that a kernel issues the bucket loads first and the weights later.
     __device__ __forceinline__ int near_bucket(int d) const { return __ldg(a.index + min(d, a.n)); }

@@ -69,8 +69,9 @@ struct DecodeLayout {
   // After the stages, one byte per token and stage: the token is a key (set by the thread that copies its first
   // vector, read by the lane that adds its bias). Sized for the largest tile, so every specialisation asks the same.
   static constexpr int kSmemBytes = kStageBytes + kStages * kMaxDecodeTile;
-  // With a T5 bias, then the near-weight table of each head: [HG][kT5NearDistances] raw bits (T5Bias::Seq::Row).
-  static constexpr int kNearBytes = HG * kT5NearDistances * 4;
+  // With a T5 bias, then the near-weight table of each head, [HG][kT5NearDistances] raw bits (T5Bias::Seq::Row),
+  // and the column of the bias table it is gathered from, [HG][kT5NearDistances] (buckets of the keys' side).
+  static constexpr int kNearBytes = 2 * HG * kT5NearDistances * 4;
   static_assert(HEAD % VEC == 0, "head size must be a whole number of 16-byte vectors");
   static_assert(TX * HG <= kDecodeThreads && TPT >= 1 && TILE % TZ == 0, "every thread owns whole tokens");
   static_assert(TILE * NVEC <= kStageVecs, "a tile fits its stage");
@@ -113,8 +114,9 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
   // [kStages][TILE]: token t of the tile in stage st is a key (in the sequence, and its block id in the cache).
   unsigned char* key_s = reinterpret_cast<unsigned char*>(stage_s) + L::kStageBytes;
   // T5 only, [HG][kT5NearDistances]: head g's weight bits of the keys at distance d < kT5NearDistances before the
-  // query.
+  // query; then [HG][kT5NearDistances]: head g's weight bits of bucket b (b below the buckets of the keys' side).
   auto* near_s = reinterpret_cast<typename Bias::Raw*>(reinterpret_cast<unsigned char*>(stage_s) + L::kSmemBytes);
+  auto* column_s = near_s + HG * kT5NearDistances;
 
   const int num_chunks = (group_size + HG - 1) / HG;
   const int s = static_cast<int>(blockIdx.x) / (num_kv_heads * num_chunks);
@@ -236,13 +238,24 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
 #pragma unroll
     for (int e = 0; e < VEC; ++e) acc[v][e] = 0.0f;
 
-  // Prologue. Every load that waits on no other goes first (block ids, T5's near buckets); a load whose address is
-  // a load (T5's weights) only once the first tiles' copies are out; a register copy of a pending load (the bias
-  // ring: T5's far weight) last, since the thread waits there (no register renaming on a GPU).
+  // Prologue. Every load that waits on no other goes first (block ids; T5's near buckets and, when the buckets of
+  // the keys' side fit the column, the table's column of each head); a load whose address is a load (T5's weights
+  // otherwise) only once the first tiles' copies are out; a register copy of a pending load (the bias ring: T5's
+  // far weight) last, since the thread waits there (no register renaming on a GPU).
   static_assert(kT5NearDistances <= kDecodeThreads, "a thread per near distance");
   int near_bucket = 0;
+  [[maybe_unused]] typename Bias::Raw column[HG];  // T5: the weight bits of bucket tid for head head0 + g
+  [[maybe_unused]] bool whole_column = false;
   if constexpr (Bias::kNearTable) {
-    if (tid < kT5NearDistances) near_bucket = seq_bias.near_bucket(tid);
+    whole_column = seq_bias.per_side() <= kT5NearDistances;
+    if (tid < kT5NearDistances) {
+      near_bucket = seq_bias.near_bucket(tid);
+#pragma unroll
+      for (int g = 0; g < HG; ++g) {
+        column[g] = {};
+        if (whole_column && g < nh && tid < seq_bias.per_side()) column[g] = seq_bias.near_weight(tid, head0 + g);
+      }
+    }
   }
 #pragma unroll
   for (int t = 0; t < kAhead; ++t) fetch_ids(t, start + t * TILE);
@@ -251,11 +264,27 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
 #pragma unroll
   for (int t = kAhead; t < 2 * kAhead; ++t) fetch_ids(t % kStages, start + t * TILE);
   if constexpr (Bias::kNearTable) {
-    bias_row = seq_bias.row(h, 0, len - 1, near_s + ty * kT5NearDistances);
-    if (tid < kT5NearDistances) {
+    if (whole_column) {  // the near table gathered from the column in shared memory: one round trip to the table
+      if (tid < kT5NearDistances) {
 #pragma unroll
-      for (int g = 0; g < HG; ++g) {
-        if (g < nh) near_s[g * kT5NearDistances + tid] = seq_bias.near_weight(near_bucket, head0 + g);
+        for (int g = 0; g < HG; ++g) column_s[g * kT5NearDistances + tid] = column[g];
+      }
+      __syncthreads();  // the columns are complete before any thread gathers from them
+      if (tid < kT5NearDistances) {
+#pragma unroll
+        for (int g = 0; g < HG; ++g) {
+          near_s[g * kT5NearDistances + tid] = column_s[g * kT5NearDistances + near_bucket];
+        }
+      }
+      bias_row = seq_bias.row(h, 0, len - 1, near_s + ty * kT5NearDistances,
+                              column_s[ty * kT5NearDistances + seq_bias.far]);
+    } else {  // the near buckets' weights read from the table (a load behind a load)
+      bias_row = seq_bias.row(h, 0, len - 1, near_s + ty * kT5NearDistances);
+      if (tid < kT5NearDistances) {
+#pragma unroll
+        for (int g = 0; g < HG; ++g) {
+          if (g < nh) near_s[g * kT5NearDistances + tid] = seq_bias.near_weight(near_bucket, head0 + g);
+        }
       }
     }
     __syncthreads();  // the table is complete before any thread loads a bias from it

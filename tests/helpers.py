@@ -111,12 +111,13 @@ def make_problem(
 
 
 #: Bias kinds other than a dense array: ragged rows (contiguous, or stored head-major), T5 in-kernel (causal as in
-#: a decoder, bidirectional as in an encoder; T5's geometry, an odd one, and a wide one whose max_distance passes
-#: the decode kernel's near-weight table of 128 distances).
-BIAS_KINDS = ("ragged", "ragged-strided", "t5-causal", "t5-bidir", "t5-odd", "t5-wide")
+#: a decoder, bidirectional as in an encoder; T5's geometry, an odd one, a wide one whose max_distance passes the
+#: decode kernel's near-weight table of 128 distances, and one with more buckets on a side, 150, than that kernel's
+#: column of 128 table entries per head holds).
+BIAS_KINDS = ("ragged", "ragged-strided", "t5-causal", "t5-bidir", "t5-odd", "t5-wide", "t5-many")
 #: (num_buckets, max_distance, bidirectional) of the T5 kinds.
 T5_KIND_GEOMETRY = {"t5-causal": (32, 128, False), "t5-bidir": (32, 128, True), "t5-odd": (10, 40, True),
-                    "t5-wide": (48, 500, False)}
+                    "t5-wide": (48, 500, False), "t5-many": (300, 1000, True)}
 RAGGED_GAP = 3  # rows of NaN before each sequence's rows of a ragged bias: never read
 
 
