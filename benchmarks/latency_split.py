@@ -1,5 +1,6 @@
-"""The latency case (B1 H16/16 d64 L1024, bf16) per decode kernel and split-K partition size: GPU time per call of a
-CUDA graph of 20 back-to-back ``DecodePlan.run`` calls (L2 warm), median of 20 replays.
+"""The latency case (B1 H16/16 d64 L1024, bf16) per decode kernel, split-K partition size and bias (none, dense, T5
+in-kernel): GPU time per call of a CUDA graph of 20 back-to-back ``DecodePlan.run`` calls (L2 warm, unlike
+bench_decode.py, which flushes it), median of 20 replays.
 
 Run on a GPU machine: ``PYTHONPATH=. python3 benchmarks/latency_split.py``. Sets ``decode._MIN_PART_TOKENS`` (the
 shortest partition) and ``decode.TENSOR_CORE_MIN_GROUP`` (1 forces the tensor-core kernel) for each row. The case
@@ -27,7 +28,9 @@ def per_call_us(min_part: int, kernel: str, bias_kind: str) -> tuple[int, float]
     decode.TENSOR_CORE_MIN_GROUP = 1 if kernel == "tensor-cores" else 10**9
     case = latency_case()
     operands = [case[n] for n in ("query", "key_cache", "value_cache", "block_tables", "seq_lens")]
-    bias = None if bias_kind == "none" else case["bias"]
+    heads = case["query"].shape[1]
+    bias = {"none": None, "dense": case["bias"],
+            "t5": cpa.RelativePositionBias(torch.randn(32, heads, device="cuda", dtype=torch.bfloat16))}[bias_kind]
     plan = cpa.DecodePlan(*operands, attn_bias=bias)
 
     def calls() -> list[torch.Tensor]:
@@ -50,7 +53,8 @@ def per_call_us(min_part: int, kernel: str, bias_kind: str) -> tuple[int, float]
 
 
 def main() -> None:
-    for min_part, kernel, bias in itertools.product([64, 128, 256], ["fp32-loop", "tensor-cores"], ["none", "dense"]):
+    for min_part, kernel, bias in itertools.product([64, 128, 256], ["fp32-loop", "tensor-cores"],
+                                                    ["none", "dense", "t5"]):
         parts, us = per_call_us(min_part, kernel, bias)
         print(f"shortest partition {min_part:3d}, {kernel:12s}, bias {bias:5s}: {parts:2d} partitions, "
               f"{us:.2f} us/call")
