@@ -398,6 +398,19 @@ def check_host_data(problem: DecodeProblem) -> None:
             )
     if problem.bias.mode == "ragged":
         check_ragged_offsets(np.asarray(problem.bias.index), seq_lens, problem.bias.n)
+    if problem.bias.mode == "t5":
+        check_t5_buckets(np.asarray(problem.bias.index), problem.bias.source.per_side)
+
+
+def check_t5_buckets(buckets: np.ndarray, per_side: int) -> None:
+    """A RelativePositionBias's bucket array (its own, or one given to ``from_buckets``) holds buckets of one side:
+    every entry in ``[0, per_side)``, as :func:`cupy_paged_attn.t5_bucket_table` builds it. The kernels index the
+    table (and the FP32 decode kernel a column of it in shared memory) with these values unchecked."""
+    bad = (buckets < 0) | (buckets >= per_side)
+    if bad.any():
+        d = int(np.argmax(bad))
+        raise ValueError(f"attn_bias.buckets: distance {d} has bucket {int(buckets[d])}, outside [0, {per_side}) "
+                         f"(the buckets of one side, as t5_bucket_table builds them)")
 
 
 def check_ragged_offsets(offsets: np.ndarray, seq_lens: np.ndarray, total: int) -> None:

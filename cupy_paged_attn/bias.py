@@ -256,7 +256,9 @@ class RelativePositionBias:
                      bidirectional: bool) -> RelativePositionBias:
         """The bias around a table and a bucket array that already exist (``buckets`` as :func:`t5_bucket_table`
         gives it, in the table's framework and device): no allocation, no host copy, so it can be built inside a
-        traced function, a custom operator or a CUDA-graph capture. ``buckets`` is checked when the bias is used."""
+        traced function, a custom operator or a CUDA-graph capture. ``buckets``' shape and dtype are checked when the
+        bias is used; its values (each in ``[0, num_buckets)``, or ``[0, num_buckets // 2)`` when bidirectional) on
+        the NumPy path and with ``validate=True``."""
         bidirectional, per_side, _, max_distance = _t5_geometry(bidirectional, num_buckets, max_distance)
         bias = cls.__new__(cls)
         bias.table, bias.buckets = table, buckets

@@ -667,7 +667,7 @@ def paged_attention(
         ``torch.cuda.stream(...)`` and CUDA-graph capture work. Must be None for NumPy arrays.
     validate : bool
         Also check the device data (``seq_lens`` within range, used block ids within the cache, a RaggedBias's
-        offsets) and raise
+        offsets, a RelativePositionBias's buckets) and raise
         ``ValueError`` naming the first offending sequence. Copies ``seq_lens`` and ``block_tables`` to the host:
         a synchronisation, off by default (and not allowed during CUDA-graph capture). The NumPy path always does it.
 
@@ -722,6 +722,8 @@ def paged_attention(
             bias = problem.bias
             if bias.mode == "ragged":
                 bias = dataclasses.replace(bias, index=reference.to_numpy(attn_bias.offsets))
+            elif bias.mode == "t5":
+                bias = dataclasses.replace(bias, index=reference.to_numpy(attn_bias.buckets))
             host = dataclasses.replace(
                 problem, seq_lens=reference.to_numpy(seq_lens), block_tables=reference.to_numpy(block_tables),
                 bias=bias,

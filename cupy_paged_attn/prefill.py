@@ -193,8 +193,9 @@ def paged_prefill_attention(
     stream : optional
         As in :func:`paged_attention`.
     validate : bool
-        Also check the device data (seq_lens, block ids, query_start_loc) and raise ``ValueError`` naming the
-        first offending sequence: copies them to the host (a synchronisation). The NumPy path always does it.
+        Also check the device data (seq_lens, block ids, query_start_loc, a RelativePositionBias's buckets) and
+        raise ``ValueError`` naming the first offending sequence or distance: copies them to the host (a
+        synchronisation). The NumPy path always does it.
 
     Returns
     -------
@@ -247,9 +248,12 @@ def paged_prefill_attention(
             bias_arrays={k: v for k, v in arr.items() if k.startswith("attn_bias")},
         )
         if validate:
+            bias = problem.bias
+            if bias.mode == "t5":
+                bias = dataclasses.replace(bias, index=reference.to_numpy(attn_bias.buckets))
             host = dataclasses.replace(
                 problem, seq_lens=reference.to_numpy(seq_lens), block_tables=reference.to_numpy(block_tables),
-                query_start_loc=reference.to_numpy(query_start_loc),
+                query_start_loc=reference.to_numpy(query_start_loc), bias=bias,
             )
             _checks.check_prefill_host_data(host)
         if out is not None:

@@ -514,6 +514,23 @@ def test_hostile_block_ids_and_lengths_stay_in_bounds(rng, split, dtype):
                  paged_attention_ref(*p.args(), **p.kwargs()), dtype)
 
 
+def test_validate_reads_t5_buckets(rng):
+    """``RelativePositionBias.from_buckets`` takes any bucket array; ``validate=True`` copies it to the host and names
+    the first distance whose bucket lies outside the buckets of one side. Valid buckets pass."""
+    p = make_problem(rng, [40, 7], num_heads=4, num_kv_heads=4, bias="t5-causal")
+    args, kwargs = device_args(p, to_cupy)
+    good = kwargs["attn_bias"]
+    bad = good.buckets.copy()
+    bad[3] = 32
+    kwargs["attn_bias"] = cpa.RelativePositionBias.from_buckets(good.table, bad, num_buckets=32, max_distance=128,
+                                                                bidirectional=False)
+    with pytest.raises(ValueError, match=r"attn_bias.buckets: distance 3 has bucket 32, outside \[0, 32\)"):
+        cpa.paged_attention(*args, **kwargs, validate=True)
+    kwargs["attn_bias"] = good
+    assert_close(to_numpy(cpa.paged_attention(*args, **kwargs, validate=True)),
+                 paged_attention_ref(*p.args(), **p.kwargs()), "f32")
+
+
 @pytest.mark.parametrize("dtype", ["f32", "f16"])  # the FP32 loop; the tensor-core kernel (grouped queries)
 def test_hostile_ragged_offsets_stay_in_bounds(rng, split, dtype):
     import cupy

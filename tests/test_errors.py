@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from numpy.lib.stride_tricks import as_strided
 
-from cupy_paged_attn import RaggedBias, RelativePositionBias, paged_attention, reshape_and_cache
+from cupy_paged_attn import RaggedBias, RelativePositionBias, paged_attention, reshape_and_cache, t5_bucket_table
 from cupy_paged_attn.reference import paged_attention_ref
 
 # The valid decode problem: GQA (2 query heads per KV head), one sequence of one key, one ending mid-page and one at
@@ -522,6 +522,15 @@ def t5(table: Callable[[np.ndarray], Any] = lambda t: t) -> Callable[[dict], Rel
     return lambda args: RelativePositionBias(table(rand((32, NUM_HEADS))), num_buckets=32, max_distance=128)
 
 
+def t5_buckets(buckets: Callable[[np.ndarray], np.ndarray], bidirectional: bool = False
+               ) -> Callable[[dict], RelativePositionBias]:
+    """A change of attn_bias to a RelativePositionBias (32 buckets, max_distance 128) built by ``from_buckets``
+    around ``buckets`` (a function of the valid bucket array)."""
+    valid = t5_bucket_table(num_buckets=32, max_distance=128, bidirectional=bidirectional)
+    return lambda args: RelativePositionBias.from_buckets(rand((32, NUM_HEADS)), buckets(valid), num_buckets=32,
+                                                          max_distance=128, bidirectional=bidirectional)
+
+
 DECODE_BIAS_KIND_ERRORS = [
     decode_case("ragged-values-1d", ValueError, r"attn_bias.values: expected a 2-D array \[total, num_heads\]",
                 attn_bias=ragged(values=lambda v: v[:, 0])),
@@ -552,6 +561,10 @@ DECODE_BIAS_KIND_ERRORS = [
                 r"int32", attn_bias=t5(lambda t: (t * 8).astype(np.int32))),
     decode_case("t5-table-foreign", TypeError, r"attn_bias.table: all arrays must come from one framework",
                 attn_bias=lambda a: _foreign_t5()),
+    decode_case("t5-bucket-past-side", ValueError, r"attn_bias.buckets: distance 5 has bucket 32, outside \[0, 32\)",
+                attn_bias=t5_buckets(lambda b: replaced(b, 5, 32))),
+    decode_case("t5-bucket-negative", ValueError, r"attn_bias.buckets: distance 0 has bucket -1, outside \[0, 16\)",
+                attn_bias=t5_buckets(lambda b: replaced(b, 0, -1), bidirectional=True)),
 ]
 
 
@@ -763,6 +776,8 @@ PREFILL_ERRORS = [
                  attn_bias=lambda a: a["attn_bias"][:, :, 0]),
     prefill_case("bias-heads", ValueError, r"attn_bias: expected shape \(num_seqs=3, num_heads=4, max_q_len",
                  attn_bias=lambda a: a["attn_bias"][:, :2]),
+    prefill_case("t5-bucket-past-side", ValueError, r"attn_bias.buckets: distance 127 has bucket 40, outside "
+                 r"\[0, 32\)", attn_bias=t5_buckets(lambda b: replaced(b, 127, 40))),
     prefill_case("bias-rows", ValueError, r"attn_bias: sequence 2 has 10 query rows, more than the bias's "
                  r"max_q_len = 9", attn_bias=lambda a: a["attn_bias"][:, :, :9]),
     prefill_case("bias-short", ValueError, r"seq_lens: sequence 2 has length 24, outside \[0, 20\]",
