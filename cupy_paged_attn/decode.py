@@ -588,6 +588,13 @@ def _operands(query: Any, key_cache: Any, value_cache: Any, block_tables: Any, s
     }
 
 
+def host_bias(bias: _checks.CheckedBias, attn_bias: Any) -> _checks.CheckedBias:
+    """``bias`` with its index array (a RaggedBias's offsets, a RelativePositionBias's buckets) copied to the host
+    from the caller's ``attn_bias``, for the checks of device data (``validate=True``)."""
+    index = {"ragged": "offsets", "t5": "buckets"}.get(bias.mode)
+    return bias if index is None else dataclasses.replace(bias, index=reference.to_numpy(getattr(attn_bias, index)))
+
+
 def _check_wrapped(arr: dict[str, Any], attn_bias: Any, scale: Any, kv_layout: Any) -> _checks.DecodeProblem:
     """check_decode on the wrapped operands (``arr``, named as :func:`_operands` names them, ``out`` optional)."""
     return _checks.check_decode(
@@ -719,14 +726,9 @@ def paged_attention(
         arr = _interop.wrap_all(named, framework)
         problem = _check_wrapped(arr, attn_bias, scale, kv_layout)
         if validate:
-            bias = problem.bias
-            if bias.mode == "ragged":
-                bias = dataclasses.replace(bias, index=reference.to_numpy(attn_bias.offsets))
-            elif bias.mode == "t5":
-                bias = dataclasses.replace(bias, index=reference.to_numpy(attn_bias.buckets))
             host = dataclasses.replace(
                 problem, seq_lens=reference.to_numpy(seq_lens), block_tables=reference.to_numpy(block_tables),
-                bias=bias,
+                bias=host_bias(problem.bias, attn_bias),
             )
             _checks.check_host_data(host)
         if problem.num_seqs == 0:

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from . import _checks, _compile, _interop, reference
-from .decode import _num_sms, split_keys
+from .decode import _num_sms, host_bias, split_keys
 
 __all__ = ["paged_prefill_attention"]
 
@@ -248,12 +248,9 @@ def paged_prefill_attention(
             bias_arrays={k: v for k, v in arr.items() if k.startswith("attn_bias")},
         )
         if validate:
-            bias = problem.bias
-            if bias.mode == "t5":
-                bias = dataclasses.replace(bias, index=reference.to_numpy(attn_bias.buckets))
             host = dataclasses.replace(
                 problem, seq_lens=reference.to_numpy(seq_lens), block_tables=reference.to_numpy(block_tables),
-                query_start_loc=reference.to_numpy(query_start_loc), bias=bias,
+                query_start_loc=reference.to_numpy(query_start_loc), bias=host_bias(problem.bias, attn_bias),
             )
             _checks.check_prefill_host_data(host)
         if out is not None:
