@@ -370,7 +370,9 @@ struct RaggedBias {
 // T5's relative-position bias, computed per key: table[bucket(j − p), h] for the query at position p. The bucket of
 // a distance comes from a small table (index, built on the host from the exact float32 definition, so host and
 // device agree bit for bit); distances >= max_distance (n) share its last entry. Bidirectional (m > 0): keys after
-// the query use the upper m buckets. Causal (m = 0): they all fall in bucket 0.
+// the query use the upper m buckets. Causal (m = 0): they all fall in bucket 0. Every bucket read from index is held
+// inside the buckets of one side (stride[2]): a bucket array given to from_buckets whose values lie outside them
+// (validate=True reports it) selects a wrong weight but never reads outside the table or the CTA's shared memory.
 constexpr int kT5NearDistances = 128;  // T5's default max_distance: every near key of a standard T5 table
 
 struct T5Bias {
@@ -379,12 +381,17 @@ struct T5Bias {
   using Raw = unsigned;
   BiasArgs a;
   // Most keys of a long sequence are far from the query: their bucket needs no table read, so the weight's load
-  // never waits on another load. far: the bucket of every distance >= max_distance (on one side).
+  // never waits on another load. far: index's entry for every distance >= max_distance (on one side), as read.
   static __device__ __forceinline__ Raw load_at(const BiasArgs& a, int far, int h, int p, int j) {
     const int rel = j - p;
     const int distance = a.m > 0 ? abs(rel) : max(-rel, 0);
-    const int bucket = (a.m > 0 && rel > 0 ? a.m : 0) + (distance >= a.n ? far : __ldg(a.index + distance));
+    const int bucket = (a.m > 0 && rel > 0 ? a.m : 0) + held(a, distance >= a.n ? far : __ldg(a.index + distance));
     return weight(a, bucket, h);
+  }
+  // An entry of index held inside [0, buckets of one side) (a negative one, as unsigned, is past the last). Applied
+  // where the bucket is used, not where it is loaded: a thread waits for the load there.
+  static __device__ __forceinline__ int held(const BiasArgs& a, int bucket) {
+    return static_cast<int>(min(static_cast<unsigned>(bucket), static_cast<unsigned>(a.stride[2]) - 1u));
   }
   // The table's entry for (bucket, head h), raw bits.
   static __device__ __forceinline__ Raw weight(const BiasArgs& a, int bucket, int h) {
@@ -392,7 +399,7 @@ struct T5Bias {
   }
   struct Seq {
     BiasArgs a;  // a copy: registers, never a pointer into the CTA's locals
-    int far;
+    int far;  // index's entry for distances >= max_distance, as read (held before use)
     // One query row of the FP32 decode kernel, whose keys are all at or before the query (j <= p). The weight of
     // the far keys is read once: a far key (most of a long sequence) costs a compare and no load. The weights of
     // the kT5NearDistances distances nearest the query come from a table in the CTA's shared memory (near, filled
@@ -403,28 +410,33 @@ struct T5Bias {
       const int* index;
       long long bucket_stride, head_at;  // the table's bucket stride, head h's offset
       int dtype, n, p;
+      unsigned last;  // the last bucket of one side
       Raw far_bits;
       const Raw* near;  // shared memory: near[d] = the weight bits of distance d < kT5NearDistances
       __device__ __forceinline__ Raw load(int j) const {
         const int distance = p - j;
         if (distance >= n) return far_bits;
         if (distance < kT5NearDistances) return near[distance];
-        return load_bias_bits(ptr, __ldg(index + distance) * bucket_stride + head_at, dtype);
+        const int bucket = static_cast<int>(min(static_cast<unsigned>(__ldg(index + distance)), last));
+        return load_bias_bits(ptr, bucket * bucket_stride + head_at, dtype);
       }
     };
     __device__ __forceinline__ int limit(int len) const { return len; }
     __device__ __forceinline__ Raw load(int h, int, int p, int j) const { return load_at(a, far, h, p, j); }
     __device__ __forceinline__ Row row(int h, int, int p, const Raw* near) const {
-      return row(h, 0, p, near, weight(a, far, h));
+      return row(h, 0, p, near, weight(a, held(far), h));
     }
     // The same with the far keys' weight bits given.
     __device__ __forceinline__ Row row(int h, int, int p, const Raw* near, Raw far_bits) const {
-      return {a.ptr, a.index, a.stride[0], h * a.stride[1], a.dtype, a.n, p, far_bits, near};
+      const unsigned last = static_cast<unsigned>(per_side()) - 1u;
+      return {a.ptr, a.index, a.stride[0], h * a.stride[1], a.dtype, a.n, p, last, far_bits, near};
     }
     // Buckets on the side of keys at or before the query: [0, per_side()) (and far < per_side()).
     __device__ __forceinline__ int per_side() const { return static_cast<int>(a.stride[2]); }
-    // The bucket of a key at distance d (0 <= d) before the query, and a bucket's weight for head h: the near
-    // table's entries, in two steps so that a kernel issues the bucket loads first and the weights later.
+    __device__ __forceinline__ int held(int bucket) const { return T5Bias::held(a, bucket); }
+    // The bucket of a key at distance d (0 <= d) before the query, as read (held before use), and a bucket's weight
+    // for head h: the near table's entries, in two steps so that a kernel issues the bucket loads first and the
+    // weights later.
     __device__ __forceinline__ int near_bucket(int d) const { return __ldg(a.index + min(d, a.n)); }
     __device__ __forceinline__ Raw near_weight(int bucket, int h) const { return weight(a, bucket, h); }
   };

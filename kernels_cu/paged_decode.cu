@@ -273,17 +273,17 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
       if (tid < kT5NearDistances) {
 #pragma unroll
         for (int g = 0; g < HG; ++g) {
-          near_s[g * kT5NearDistances + tid] = column_s[g * kT5NearDistances + near_bucket];
+          near_s[g * kT5NearDistances + tid] = column_s[g * kT5NearDistances + seq_bias.held(near_bucket)];
         }
       }
       bias_row = seq_bias.row(h, 0, len - 1, near_s + ty * kT5NearDistances,
-                              column_s[ty * kT5NearDistances + seq_bias.far]);
+                              column_s[ty * kT5NearDistances + seq_bias.held(seq_bias.far)]);
     } else {  // the near buckets' weights read from the table (a load behind a load)
       bias_row = seq_bias.row(h, 0, len - 1, near_s + ty * kT5NearDistances);
       if (tid < kT5NearDistances) {
 #pragma unroll
         for (int g = 0; g < HG; ++g) {
-          if (g < nh) near_s[g * kT5NearDistances + tid] = seq_bias.near_weight(near_bucket, head0 + g);
+          if (g < nh) near_s[g * kT5NearDistances + tid] = seq_bias.near_weight(seq_bias.held(near_bucket), head0 + g);
         }
       }
     }

@@ -9,7 +9,7 @@ import itertools
 
 import numpy as np
 import pytest
-from helpers import BIAS_KINDS, DTYPES, assert_close, convert_bias, dense_attention, make_problem
+from helpers import BIAS_KINDS, DTYPES, assert_close, convert_bias, dense_attention, hostile_t5_buckets, make_problem
 
 import cupy_paged_attn as cpa
 from cupy_paged_attn import decode
@@ -529,6 +529,30 @@ def test_validate_reads_t5_buckets(rng):
     kwargs["attn_bias"] = good
     assert_close(to_numpy(cpa.paged_attention(*args, **kwargs, validate=True)),
                  paged_attention_ref(*p.args(), **p.kwargs()), "f32")
+
+
+@pytest.mark.parametrize("kind", ["t5-causal", "t5-bidir", "t5-wide", "t5-many"])
+@pytest.mark.parametrize("dtype", ["f32", "f16"])  # the FP32 loop; the tensor-core kernel (grouped queries)
+def test_hostile_t5_buckets_stay_in_bounds(rng, split, dtype, kind):
+    """Without ``validate``, the kernels hold each bucket of a ``from_buckets`` array inside the buckets of one
+    side (near keys, far keys past max_distance, the FP32 kernel's column path and, at 150 per side, its table
+    path): no read outside the table, and the result of the valid array the hostile one is held back to."""
+    import cupy
+
+    p = make_problem(rng, [1100, 130, 17, 1], num_heads=4, num_kv_heads=4 if dtype == "f32" else 2, bias=kind,
+                     dtype=dtype)
+    args, kwargs = device_args(p, to_cupy)
+    good = kwargs["attn_bias"]
+    bad = hostile_t5_buckets(good)
+    assert ((bad < 0) | (bad >= good.per_side)).any()
+    kwargs["attn_bias"] = cpa.RelativePositionBias.from_buckets(good.table, cupy.asarray(bad),
+                                                                num_buckets=good.num_buckets,
+                                                                max_distance=good.max_distance,
+                                                                bidirectional=good.bidirectional)
+    out = to_numpy(cpa.paged_attention(*args, **kwargs))  # an illegal access would raise here
+    assert_close(out, paged_attention_ref(*p.args(), **p.kwargs()), dtype, kind)
+    with pytest.raises(ValueError, match=r"attn_bias.buckets: distance \d+ has bucket -?\d+, outside \[0, "):
+        cpa.paged_attention(*args, **kwargs, validate=True)
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])  # the FP32 loop; the tensor-core kernel (grouped queries)

@@ -8,7 +8,7 @@ import itertools
 
 import numpy as np
 import pytest
-from helpers import assert_close
+from helpers import assert_close, hostile_t5_buckets
 from prefill_helpers import DENSE_KINDS, T5_KINDS, make_prefill_problem
 from test_decode_gpu import to_cupy, to_torch
 
@@ -236,6 +236,34 @@ def test_torch_bf16_t5_encoder(rng):
     result = paged_prefill_attention(*args, **device_kwargs(p, to_torch))
     assert isinstance(result, torch.Tensor) and result.dtype == torch.bfloat16
     assert_close(to_numpy(result), paged_prefill_attention_ref(*p.args(), **p.kwargs()), "bf16")
+
+
+@pytest.mark.parametrize(("heads", "max_distance", "bidirectional"), [
+    ((4, 4), 128, True),    # the CTA's table of relative positions
+    ((4, 4), 128, False),
+    ((4, 4), 3000, True),   # per logit
+])
+def test_hostile_t5_buckets_stay_in_bounds(rng, split, heads, max_distance, bidirectional):
+    """Without ``validate``, the prefill kernels hold each bucket of a ``from_buckets`` array inside the buckets of
+    one side, in the table of relative positions and per logit: the result of the valid array."""
+    import cupy
+
+    p = make_prefill_problem(rng, [(700, 700), (3500, 300), (50, 9)], num_heads=heads[0], num_kv_heads=heads[1],
+                             head_size=64, dtype="bf16", causal=not bidirectional)
+    table = rng.standard_normal((32, heads[0])).astype(np.float32)
+    p.attn_bias = cpa.RelativePositionBias(table, num_buckets=32, max_distance=max_distance,
+                                           bidirectional=bidirectional)
+    want = paged_prefill_attention_ref(*p.args(), **p.kwargs())
+    kwargs = device_kwargs(p, to_cupy)
+    good = kwargs["attn_bias"]
+    kwargs["attn_bias"] = cpa.RelativePositionBias.from_buckets(
+        good.table, cupy.asarray(hostile_t5_buckets(good)), num_buckets=32, max_distance=max_distance,
+        bidirectional=bidirectional)
+    args = [to_cupy(a) for a in p.args()]
+    out = to_numpy(paged_prefill_attention(*args, **kwargs))  # an illegal access would raise here
+    assert_close(out, want, "bf16", f"max_distance={max_distance}")
+    with pytest.raises(ValueError, match=r"attn_bias.buckets: distance \d+ has bucket -?\d+, outside \[0, "):
+        paged_prefill_attention(*args, **kwargs, validate=True)
 
 
 def test_hostile_block_ids_and_lengths_stay_in_bounds(rng, split):

@@ -1,7 +1,8 @@
 """Representative launches of every kernel family, small enough for compute-sanitizer, each checked against the
 reference: decode and prefill (tensor-core and float32 kernels), MHA and GQA, single-pass and split-K, both layouts,
 dense and broadcast bias, ALiBi, ragged and empty sequences, ragged and T5 biases, and hostile device data (block
-ids outside the cache, negative and huge seq_lens, ragged-bias offsets outside their rows, slots past the cache).
+ids outside the cache, negative and huge seq_lens, ragged-bias offsets outside their rows, T5 buckets outside the
+table, slots past the cache).
 
 Run through tests/gpu/sanitize.sh (or alone: ``PYTHONPATH=.:tests python3 tests/gpu/sanitize_cases.py``).
 """
@@ -12,7 +13,7 @@ import sys
 
 import cupy
 import numpy as np
-from helpers import assert_close, make_problem
+from helpers import assert_close, hostile_t5_buckets, make_problem
 from prefill_helpers import make_prefill_problem
 from test_decode_gpu import device_args, to_cupy
 from test_prefill_gpu import device_kwargs
@@ -82,6 +83,13 @@ def run_prefill(name: str, kwargs: dict, split: bool, rng: np.random.Generator) 
     print(f"ok  {name}")
 
 
+def hostile_bucket_bias(bias: cpa.RelativePositionBias) -> cpa.RelativePositionBias:
+    """The same bias through ``from_buckets``, its bucket values outside the buckets of one side."""
+    return cpa.RelativePositionBias.from_buckets(bias.table, cupy.asarray(hostile_t5_buckets(bias)),
+                                                 num_buckets=bias.num_buckets, max_distance=bias.max_distance,
+                                                 bidirectional=bias.bidirectional)
+
+
 def hostile(rng: np.random.Generator) -> None:
     for split, dtype in ((False, "f32"), (True, "f32"), (False, "bf16"), (True, "f16")):  # bf16/f16: tensor cores
         decode._num_sms = (lambda device: 10**6) if split else (lambda device: 1)
@@ -98,6 +106,11 @@ def hostile(rng: np.random.Generator) -> None:
         for offsets in ([-50, 46, 2**31 - 1, total - 5, total], [3, 10, 80, 103, 2**31 - 1]):
             kw["attn_bias"] = cpa.RaggedBias(to_cupy(r.bias_kind.values), cupy.asarray(np.array(offsets, np.int32)))
             cpa.paged_attention(*args, **kw)
+        for kind in ("t5-causal", "t5-wide", "t5-many"):  # the FP32 kernel's column and table paths, far keys
+            t = make_problem(rng, [700, 130, 1], num_heads=4, num_kv_heads=2, bias=kind, dtype=dtype)
+            args, kw = device_args(t, to_cupy)
+            kw["attn_bias"] = hostile_bucket_bias(kw["attn_bias"])
+            cpa.paged_attention(*args, **kw)
     for split in (False, True):
         prefill._num_sms = (lambda device: 10**6) if split else (lambda device: 1)
         q = make_prefill_problem(rng, [(40, 10), (30, 30), (20, 5), (10, 10)], num_heads=4, num_kv_heads=2,
@@ -109,6 +122,14 @@ def hostile(rng: np.random.Generator) -> None:
         args[4] = cupy.asarray(np.array([40, -5, 10**9, 2**31 - 1], np.int32))
         args[5] = cupy.asarray(np.array([0, 60, -3, 2**31 - 1, 55], np.int32))  # query_start_loc out of order
         cpa.paged_prefill_attention(*args, **device_kwargs(q, to_cupy))
+        for max_distance in (128, 3000):  # the CTA's table of relative positions; per logit
+            t = make_prefill_problem(rng, [(300, 300), (50, 9)], num_heads=4, num_kv_heads=4, dtype="bf16",
+                                     causal=False)
+            t.attn_bias = cpa.RelativePositionBias(rng.standard_normal((32, 4)).astype(np.float32), num_buckets=32,
+                                                   max_distance=max_distance, bidirectional=True)
+            kw = device_kwargs(t, to_cupy)
+            kw["attn_bias"] = hostile_bucket_bias(kw["attn_bias"])
+            cpa.paged_prefill_attention(*[to_cupy(a) for a in t.args()], **kw)
     key = cupy.asarray(rng.standard_normal((4, 2, 64)).astype(np.float16))
     k_cache = cupy.asarray(rng.standard_normal((3, 16, 2, 64)).astype(np.float16))
     v_cache = k_cache.copy()
