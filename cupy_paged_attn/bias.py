@@ -258,7 +258,8 @@ class RelativePositionBias:
         gives it, in the table's framework and device): no allocation, no host copy, so it can be built inside a
         traced function, a custom operator or a CUDA-graph capture. ``buckets``' shape and dtype are checked when the
         bias is used; its values (each in ``[0, num_buckets)``, or ``[0, num_buckets // 2)`` when bidirectional) on
-        the NumPy path and with ``validate=True``."""
+        the NumPy path and with ``validate=True``. Otherwise the GPU kernels hold a value outside that range to the
+        last bucket of the side (a negative one too): a wrong weight, never a read outside the table."""
         bidirectional, per_side, _, max_distance = _t5_geometry(bidirectional, num_buckets, max_distance)
         bias = cls.__new__(cls)
         bias.table, bias.buckets = table, buckets
