@@ -49,8 +49,10 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }
 
 // Programmatic dependent launch (sm_90 and later; no-ops before, and when the launch did not ask for it). An
-// attention kernel lets its split-K reduction launch at once; the reduction waits for the attention kernel's grid
-// to complete, with its writes visible, before it reads them.
+// attention kernel lets its split-K reduction launch early; the reduction waits for the attention kernel's grid to
+// complete, with its writes visible, before it reads them. A split attention kernel is itself launched as a
+// dependent of the kernel before it (a reduction lets the next call's attention kernel launch at once): it waits
+// at its very top, before reading anything, so whatever the kernel before it wrote is visible (decode.py).
 __device__ __forceinline__ void launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -109,6 +109,7 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
   constexpr int VEC = L::VEC, NVEC = L::NVEC, TX = L::TX, VPL = L::VPL, TZ = L::TZ, TILE = L::TILE;
   constexpr int TPT = L::TPT, KPL = L::KPL, kAhead = kStages - 1;
   launch_dependents();  // the split-K reduction may start (it waits for this grid before reading)
+  wait_for_primary();   // a split grid's launch may precede the end of the kernel before it: nothing is read before
 
   extern __shared__ uint4 stage_s[];  // [kStages][K, V][TILE][NVEC]; then the epilogue's [TZW][HG][HEAD + 2]
   // [kStages][TILE]: token t of the tile in stage st is a key (in the sequence, and its block id in the cache).
@@ -469,7 +470,8 @@ __global__ void __launch_bounds__(kReduceThreads) paged_decode_reduce(
   const int h = blockIdx.y;
   const int lane = static_cast<int>(threadIdx.x) % LANES;
   const int g = static_cast<int>(threadIdx.x) / LANES;
-  wait_for_primary();  // the attention kernel's partials are complete and visible
+  launch_dependents();  // the next call's attention kernel may start (it waits for this grid before reading)
+  wait_for_primary();   // the attention kernel's partials are complete and visible
   const long long slot0 = (static_cast<long long>(s) * num_heads + h) * num_parts;
   const float4* acc4 = reinterpret_cast<const float4*>(part_acc);
   const float2* ml2 = reinterpret_cast<const float2*>(part_ml);

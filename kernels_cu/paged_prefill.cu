@@ -295,10 +295,11 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
   constexpr int ROWS = L::ROWS, STAGES = L::STAGES, PAGE_BUFFERS = L::PAGE_BUFFERS, REL_TABLE = L::REL_TABLE;
   constexpr int AHEAD = L::AHEAD;
   constexpr bool kT5 = SameType<Bias, T5Bias>::value;
-  // No launch_dependents() here: the decode tiling's reduction is launched as a dependent all the same (it then starts
-  // as this grid ends). The call, even at the top, changed prefill's whole schedule (prefill d128 ~5 % slower), and in
-  // the decode tiling alone it measured 0.5-1 % slower (B1 H32/8 L65536 dense 82.2 -> 82.9 us; B4 L32768 148.3 ->
-  // 149.3).
+  // launch_dependents() only in the decode tiling's epilogue (below). At the top it changed prefill's whole schedule
+  // (prefill d128 ~5 % slower), and in the decode tiling alone it measured 0.5-1 % slower (B1 H32/8 L65536 dense
+  // 82.2 -> 82.9 us; B4 L32768 148.3 -> 149.3).
+  // A split decode grid's launch may precede the end of the kernel before it (decode.py): nothing is read before.
+  if constexpr (L::kDecode) wait_for_primary();
 
   extern __shared__ uint4 smem[];
   // (Hopper: Q_s and the stages start on the 128-byte swizzle's period, 1024 bytes.)
@@ -968,6 +969,10 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
     l[hf] += __shfl_xor_sync(0xffffffffu, l[hf], 2);
   }
   if constexpr (L::kDecode) {
+    // Every key is read: the split-K reduction (a dependent launch) may be set up now, and its CTAs take this
+    // grid's places as its CTAs exit, instead of being launched once the grid has ended (they wait for it in the
+    // kernel). B1 H32/8 L65536 79.1-79.6 -> 78.1-78.4 us without a bias, 81.1-81.5 -> 80.7-80.8 dense (H200).
+    launch_dependents();
     // The warps hold (m, l, acc) of the same rows over disjoint keys: combine them through the idle K/V stages as
     // split-K partitions are combined:  M = max_w m_w,  c_w = 2^(m_w − M),  L = Σ_w c_w·l_w,  o = Σ_w c_w·acc_w.
     // (Rows of acc_s are HEAD_P + 4 floats apart: a store of Oᵀ, rows 2qc + c x columns qr + ..., hits 32 banks.)
@@ -1221,7 +1226,8 @@ __global__ void __launch_bounds__(kPrefillReduceThreads) paged_prefill_reduce(
   const int elems = kPrefillReduceThreads / groups;  // output elements per CTA
   const int e = threadIdx.x % elems;
   const int group = threadIdx.x / elems;  // this thread's partitions: group, group + groups, ...
-  wait_for_primary();  // decode launches this reduction early: the attention kernel's partials are now complete
+  launch_dependents();  // the next decode call's attention kernel may start (it waits for this grid before reading)
+  wait_for_primary();   // decode launches this reduction early: the attention kernel's partials are now complete
   const long long part_stride = static_cast<long long>(total_q) * num_heads;
   const float2* ml2 = reinterpret_cast<const float2*>(part_ml);
   for (int base = blockIdx.z * elems; base < rows * HEAD; base += gridDim.z * elems) {  // (uniform over the CTA)

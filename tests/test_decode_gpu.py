@@ -372,19 +372,22 @@ def test_plan_runs_like_paged_attention(rng, split, framework, bias):
         assert_close(to_numpy(out), expected, "bf16", "out=")
 
 
-@pytest.mark.parametrize("dependent", [True, False], ids=["dependent-reduce", "plain-reduce"])
+@pytest.mark.parametrize("dependent", [True, False], ids=["dependent-launches", "plain-launches"])
 @pytest.mark.parametrize("kernel", ["fp32-loop", "tensor-cores"])
 def test_split_plan_reruns_and_replays(rng, monkeypatch, kernel, dependent):
     """Split-K runs of one plan, eager and as CUDA-graph replays, each on fresh data in the same buffers: the plan's
     workspace is reused by every run, and a sequence shorter than the partitions' span (3 keys) must not pick up a
-    previous run's partials. The reduction is launched both ways: with programmatic dependent launch (on devices
-    that have it), where it starts while the attention kernel runs, and after it."""
+    previous run's partials. Both kernels are launched both ways: with programmatic dependent launch (on devices
+    that have it), where the reduction starts while the attention kernel runs and the attention kernel while the
+    kernel before it runs (here a kernel that has just written every input, or the previous run's reduction), and
+    plainly."""
     import cupy
 
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(decode, "_num_sms", lambda device: 10**6)
     monkeypatch.setattr(decode, "TENSOR_CORE_MIN_GROUP", 1 if kernel == "tensor-cores" else 10**9)
     monkeypatch.setattr(decode, "DEPENDENT_REDUCE", dependent)
+    monkeypatch.setattr(decode, "DEPENDENT_ATTENTION", dependent)
     shape = dict(num_heads=8, num_kv_heads=2, head_size=64, dtype="bf16", bias="dense", bias_dtype="bf16",
                  alibi=True, spare_blocks=0, extra_table_cols=0)
     lens = [1500, 3, 700]
@@ -394,6 +397,7 @@ def test_split_plan_reruns_and_replays(rng, monkeypatch, kernel, dependent):
     assert plan.launch.num_parts > 1 and plan.launch.tensor_cores == (kernel == "tensor-cores")
     has_dependent_launch = int(cupy.cuda.Device().compute_capability) >= 90
     assert (plan._dependent_reduce is not None) == (dependent and has_dependent_launch)
+    assert (plan._dependent_attention is not None) == (dependent and has_dependent_launch)
     extra = ("attn_bias", "alibi_slopes")
     out = torch.full_like(args[0], float("nan"))
     graph = captured(lambda: plan.run(*args, **{k: kwargs[k] for k in extra}, out=out))
@@ -403,9 +407,13 @@ def test_split_plan_reruns_and_replays(rng, monkeypatch, kernel, dependent):
         new_args, new_kwargs = device_args(p, to_torch)
         assert_close(to_numpy(plan.run(*new_args, **{k: new_kwargs[k] for k in extra})), expected, "bf16",
                      f"eager run {i}")
+        out.fill_(float("nan"))
         for dst, src in zip([*args, *(kwargs[k] for k in extra)], [*new_args, *(new_kwargs[k] for k in extra)],
                             strict=True):
-            dst.copy_(src)
+            torch.mul(src, 1, out=dst)  # a kernel just before the run writes every input it reads
+        plan.run(*args, **{k: kwargs[k] for k in extra}, out=out)
+        torch.cuda.synchronize()
+        assert_close(to_numpy(out), expected, "bf16", f"eager run {i} after a kernel wrote its inputs")
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
