@@ -18,6 +18,9 @@ __global__ void __launch_bounds__(kCacheThreads) reshape_and_cache(
     const T* __restrict__ value, long long value_stride_t, long long value_stride_h,  // [num_tokens, Hkv, D]
     T* __restrict__ key_cache, T* __restrict__ value_cache, long long cache_block_stride,
     const SlotT* __restrict__ slot_mapping, int num_kv_heads, int head_size, int block_size, int num_blocks) {
+  // The attention kernel after it (a split decode: a dependent launch) may launch now; it waits for this grid's
+  // writes before reading anything. A decode step, H200: 7.2-7.4 -> 6.9 us without a bias (serving_step.py).
+  launch_dependents();
   constexpr int VEC = vec_elems<T>();
   const int t = blockIdx.x;
   const long long slot = static_cast<long long>(slot_mapping[t]);

@@ -1,14 +1,16 @@
-"""GPU: reshape_and_cache against the NumPy reference, for CuPy, PyTorch and JAX, both layouts, both slot dtypes."""
+"""GPU: reshape_and_cache against the NumPy reference, for CuPy, PyTorch and JAX, both layouts, both slot dtypes; a
+split decode run right after it reads what it wrote."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import DTYPES
-from test_decode_gpu import to_cupy, to_torch
+from helpers import DTYPES, assert_close, make_problem
+from test_decode_gpu import device_args, to_cupy, to_torch
 
 import cupy_paged_attn as cpa
-from cupy_paged_attn.reference import reshape_and_cache_ref, to_numpy
+from cupy_paged_attn import decode
+from cupy_paged_attn.reference import paged_attention_ref, reshape_and_cache_ref, to_numpy
 
 pytestmark = pytest.mark.gpu
 
@@ -89,3 +91,31 @@ def test_out_of_range_slot_is_skipped_on_gpu(rng):
     np.testing.assert_array_equal(to_numpy(dk), expected)
     with pytest.raises(ValueError, match=r"slot_mapping: token 1 has slot 112, outside the cache's 112 slots"):
         cpa.reshape_and_cache(to_cupy(key), to_cupy(value), dk, dv, to_cupy(slots), validate=True)
+
+
+@pytest.mark.parametrize("kernel", ["fp32-loop", "tensor-cores"])
+def test_split_decode_reads_the_token_written_just_before(rng, monkeypatch, kernel):
+    """A decode step: each sequence's newest key and value written by reshape_and_cache, then a split attention run
+    at once. The attention kernel is launched as a dependent of the cache write (which lets it launch early, on
+    devices that have programmatic dependent launch) and must still read the new token."""
+    import cupy
+
+    monkeypatch.setattr(decode, "_num_sms", lambda device: 10**6)
+    monkeypatch.setattr(decode, "TENSOR_CORE_MIN_GROUP", 1 if kernel == "tensor-cores" else 10**9)
+    p = make_problem(rng, [700, 3, 300], num_heads=8, num_kv_heads=2, head_size=64, dtype="bf16", bias="dense",
+                     bias_dtype="bf16")
+    args, kwargs = device_args(p, to_cupy)
+    plan = cpa.DecodePlan(*args, **kwargs)
+    assert plan.launch.num_parts > 1
+    block = p.key_cache.shape[1]
+    lens = p.seq_lens.astype(np.int64)
+    blocks = p.block_tables[np.arange(len(lens)), (lens - 1) // block]
+    slots = blocks * block + (lens - 1) % block  # each sequence's last position
+    for step in range(3):
+        new_k = rng.standard_normal((len(lens), 2, 64)).astype(p.key_cache.dtype)
+        new_v = rng.standard_normal((len(lens), 2, 64)).astype(p.key_cache.dtype)
+        p.key_cache[blocks, (lens - 1) % block] = new_k
+        p.value_cache[blocks, (lens - 1) % block] = new_v
+        cpa.reshape_and_cache(to_cupy(new_k), to_cupy(new_v), args[1], args[2], cupy.asarray(slots))
+        out = to_numpy(plan.run(*args, **{k: kwargs[k] for k in ("attn_bias", "alibi_slopes")}))
+        assert_close(out, paged_attention_ref(*p.args(), **p.kwargs()), "bf16", f"step {step}")
