@@ -10,11 +10,32 @@ is host_overhead.py's, the graph capture bench_decode.py's.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from typing import Any
 
 from bench_decode import capture_graph
 from host_overhead import latency_case
 
 CALLS_PER_GRAPH = 20
+
+
+def replay_us(fn: Callable[[], list[Any]], calls: int, replays: int = 20) -> float:
+    """µs per call: ``fn`` (``calls`` calls, returning what they write, as ``capture_graph`` takes it) captured in
+    a CUDA graph, the median of ``replays`` replays timed by CUDA events, divided by ``calls``."""
+    import torch
+
+    graph, error = capture_graph(fn)
+    if graph is None:
+        raise RuntimeError(error)
+    times = []
+    for _ in range(replays):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
 
 
 def per_call_us(min_part: int, kernel: str, bias_kind: str) -> tuple[int, float]:
@@ -38,18 +59,7 @@ def per_call_us(min_part: int, kernel: str, bias_kind: str) -> tuple[int, float]
             plan.run(*operands, attn_bias=bias, out=case["out"])
         return [case["out"]]
 
-    graph, error = capture_graph(calls)
-    if graph is None:
-        raise RuntimeError(error)
-    times = []
-    for _ in range(20):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3 / CALLS_PER_GRAPH)
-    return plan.launch.num_parts, sorted(times)[len(times) // 2]
+    return plan.launch.num_parts, replay_us(calls, CALLS_PER_GRAPH)
 
 
 def main() -> None:

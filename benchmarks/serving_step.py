@@ -11,8 +11,8 @@ Run on a GPU machine: ``PYTHONPATH=. python3 benchmarks/serving_step.py``.
 
 from __future__ import annotations
 
-from bench_decode import capture_graph
 from host_overhead import latency_case
+from latency_split import replay_us
 
 STEPS_PER_GRAPH = 20
 
@@ -44,18 +44,7 @@ def per_step_us(bias_kind: str, dependent: bool) -> tuple[float, object]:
             plan.run(*operands, attn_bias=bias, out=case["out"])
         return [case["out"]]
 
-    graph, error = capture_graph(steps)
-    if graph is None:
-        raise RuntimeError(error)
-    times = []
-    for _ in range(20):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3 / STEPS_PER_GRAPH)
-    return sorted(times)[len(times) // 2], case["out"].clone()
+    return replay_us(steps, STEPS_PER_GRAPH), case["out"].clone()
 
 
 def main() -> None:
