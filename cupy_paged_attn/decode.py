@@ -407,14 +407,11 @@ class DecodePlan:
             self._function, self._reduce_function = kernel.kernel.ptr, reduce_kernel.kernel.ptr
         self._args = _PackedArgs(_kernel_arguments(problem, launch))
         self._reduce_args = _PackedArgs(_reduce_arguments(problem, self._launch))
+        dependent = launch.num_parts > 1 and _has_dependent_launch(device)  # only a split launch has a reduction
         self._dependent_reduce = (_DependentLaunch(self._reduce_function, launch.reduce_grid, launch.reduce_threads,
-                                                   self._reduce_args)
-                                  if DEPENDENT_REDUCE and launch.num_parts > 1 and _has_dependent_launch(device)
-                                  else None)
+                                                   self._reduce_args) if dependent and DEPENDENT_REDUCE else None)
         self._dependent_attention = (_DependentLaunch(self._function, launch.grid, launch.threads, self._args,
-                                                      launch.shared_mem)
-                                     if DEPENDENT_ATTENTION and launch.num_parts > 1 and _has_dependent_launch(device)
-                                     else None)
+                                                      launch.shared_mem) if dependent and DEPENDENT_ATTENTION else None)
         self._workspace = None
         self._owns_workspace = own_workspace
         self._out_strides: tuple[int, ...] = ()  # the out strides the packed arguments hold

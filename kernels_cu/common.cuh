@@ -392,9 +392,13 @@ struct T5Bias {
   }
   // An entry of index held inside [0, buckets of one side) (a negative one, as unsigned, is past the last). Applied
   // where the bucket is used, not where it is loaded: a thread waits for the load there.
-  static __device__ __forceinline__ int held(const BiasArgs& a, int bucket) {
-    return static_cast<int>(min(static_cast<unsigned>(bucket), static_cast<unsigned>(a.stride[2]) - 1u));
+  static __device__ __forceinline__ int held(int bucket, unsigned last) {
+    return static_cast<int>(min(static_cast<unsigned>(bucket), last));
   }
+  static __device__ __forceinline__ unsigned last_bucket(const BiasArgs& a) {
+    return static_cast<unsigned>(a.stride[2]) - 1u;
+  }
+  static __device__ __forceinline__ int held(const BiasArgs& a, int bucket) { return held(bucket, last_bucket(a)); }
   // The table's entry for (bucket, head h), raw bits.
   static __device__ __forceinline__ Raw weight(const BiasArgs& a, int bucket, int h) {
     return load_bias_bits(a.ptr, bucket * a.stride[0] + h * a.stride[1], a.dtype);
@@ -419,8 +423,7 @@ struct T5Bias {
         const int distance = p - j;
         if (distance >= n) return far_bits;
         if (distance < kT5NearDistances) return near[distance];
-        const int bucket = static_cast<int>(min(static_cast<unsigned>(__ldg(index + distance)), last));
-        return load_bias_bits(ptr, bucket * bucket_stride + head_at, dtype);
+        return load_bias_bits(ptr, T5Bias::held(__ldg(index + distance), last) * bucket_stride + head_at, dtype);
       }
     };
     __device__ __forceinline__ int limit(int len) const { return len; }
@@ -430,8 +433,7 @@ struct T5Bias {
     }
     // The same with the far keys' weight bits given.
     __device__ __forceinline__ Row row(int h, int, int p, const Raw* near, Raw far_bits) const {
-      const unsigned last = static_cast<unsigned>(per_side()) - 1u;
-      return {a.ptr, a.index, a.stride[0], h * a.stride[1], a.dtype, a.n, p, last, far_bits, near};
+      return {a.ptr, a.index, a.stride[0], h * a.stride[1], a.dtype, a.n, p, last_bucket(a), far_bits, near};
     }
     // Buckets on the side of keys at or before the query: [0, per_side()) (and far < per_side()).
     __device__ __forceinline__ int per_side() const { return static_cast<int>(a.stride[2]); }

@@ -155,19 +155,23 @@ def make_bias_kind(rng: np.random.Generator, kind: str, seq_lens: list[int], num
     return kind_obj, dense
 
 
-def hostile_t5_buckets(bias: Any) -> np.ndarray:
-    """A RelativePositionBias's bucket array (NumPy) whose last buckets of one side (per_side - 1) are replaced by
-    values outside [0, per_side), negative and past the end. The kernels hold a bucket as unsigned to at most
-    per_side - 1 (a negative one is past it), which gives back the valid array: their result equals the reference.
-    Read as given, the array would index outside the bias table and the kernels' shared-memory copy of it."""
+def hostile_t5_bias(bias: Any, convert: Any) -> Any:
+    """The same RelativePositionBias through ``from_buckets``, its bucket array (``convert``ed, e.g. to CuPy) with
+    the last buckets of one side (per_side - 1) replaced by values outside [0, per_side), negative and past the end.
+    The kernels hold a bucket as unsigned to at most per_side - 1 (a negative one is past it), which gives back the
+    valid array: their result equals the reference. Read as given, the array would index outside the bias table and
+    the kernels' shared-memory copy of it."""
+    import cupy_paged_attn as cpa
     from cupy_paged_attn.reference import to_numpy
 
     good = to_numpy(bias.buckets)
     bad = good.copy()
     last = np.flatnonzero(good == bias.per_side - 1)
+    assert last.size, "no bucket to replace"
     outside = np.array([-1, bias.per_side, -(2**31), 2**31 - 1, bias.per_side + 1000], np.int32)
     bad[last] = np.resize(outside, last.size)
-    return bad
+    return cpa.RelativePositionBias.from_buckets(bias.table, convert(bad), num_buckets=bias.num_buckets,
+                                                 max_distance=bias.max_distance, bidirectional=bias.bidirectional)
 
 
 def convert_bias(bias: Any, convert: Any) -> Any:

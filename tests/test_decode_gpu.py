@@ -9,7 +9,7 @@ import itertools
 
 import numpy as np
 import pytest
-from helpers import BIAS_KINDS, DTYPES, assert_close, convert_bias, dense_attention, hostile_t5_buckets, make_problem
+from helpers import BIAS_KINDS, DTYPES, assert_close, convert_bias, dense_attention, hostile_t5_bias, make_problem
 
 import cupy_paged_attn as cpa
 from cupy_paged_attn import decode
@@ -545,18 +545,13 @@ def test_hostile_t5_buckets_stay_in_bounds(rng, split, dtype, kind):
     """Without ``validate``, the kernels hold each bucket of a ``from_buckets`` array inside the buckets of one
     side (near keys, far keys past max_distance, the FP32 kernel's column path and, at 150 per side, its table
     path): no read outside the table, and the result of the valid array the hostile one is held back to."""
-    import cupy
-
     p = make_problem(rng, [1100, 130, 17, 1], num_heads=4, num_kv_heads=4 if dtype == "f32" else 2, bias=kind,
                      dtype=dtype)
     args, kwargs = device_args(p, to_cupy)
     good = kwargs["attn_bias"]
-    bad = hostile_t5_buckets(good)
+    kwargs["attn_bias"] = hostile_t5_bias(good, to_cupy)
+    bad = to_numpy(kwargs["attn_bias"].buckets)
     assert ((bad < 0) | (bad >= good.per_side)).any()
-    kwargs["attn_bias"] = cpa.RelativePositionBias.from_buckets(good.table, cupy.asarray(bad),
-                                                                num_buckets=good.num_buckets,
-                                                                max_distance=good.max_distance,
-                                                                bidirectional=good.bidirectional)
     out = to_numpy(cpa.paged_attention(*args, **kwargs))  # an illegal access would raise here
     assert_close(out, paged_attention_ref(*p.args(), **p.kwargs()), dtype, kind)
     with pytest.raises(ValueError, match=r"attn_bias.buckets: distance \d+ has bucket -?\d+, outside \[0, "):

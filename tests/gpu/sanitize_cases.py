@@ -13,7 +13,7 @@ import sys
 
 import cupy
 import numpy as np
-from helpers import assert_close, hostile_t5_buckets, make_problem
+from helpers import assert_close, hostile_t5_bias, make_problem
 from prefill_helpers import make_prefill_problem
 from test_decode_gpu import device_args, to_cupy
 from test_prefill_gpu import device_kwargs
@@ -83,13 +83,6 @@ def run_prefill(name: str, kwargs: dict, split: bool, rng: np.random.Generator) 
     print(f"ok  {name}")
 
 
-def hostile_bucket_bias(bias: cpa.RelativePositionBias) -> cpa.RelativePositionBias:
-    """The same bias through ``from_buckets``, its bucket values outside the buckets of one side."""
-    return cpa.RelativePositionBias.from_buckets(bias.table, cupy.asarray(hostile_t5_buckets(bias)),
-                                                 num_buckets=bias.num_buckets, max_distance=bias.max_distance,
-                                                 bidirectional=bias.bidirectional)
-
-
 def hostile(rng: np.random.Generator) -> None:
     for split, dtype in ((False, "f32"), (True, "f32"), (False, "bf16"), (True, "f16")):  # bf16/f16: tensor cores
         decode._num_sms = (lambda device: 10**6) if split else (lambda device: 1)
@@ -109,7 +102,7 @@ def hostile(rng: np.random.Generator) -> None:
         for kind in ("t5-causal", "t5-wide", "t5-many"):  # the FP32 kernel's column and table paths, far keys
             t = make_problem(rng, [700, 130, 1], num_heads=4, num_kv_heads=2, bias=kind, dtype=dtype)
             args, kw = device_args(t, to_cupy)
-            kw["attn_bias"] = hostile_bucket_bias(kw["attn_bias"])
+            kw["attn_bias"] = hostile_t5_bias(kw["attn_bias"], to_cupy)
             cpa.paged_attention(*args, **kw)
     for split in (False, True):
         prefill._num_sms = (lambda device: 10**6) if split else (lambda device: 1)
@@ -128,7 +121,7 @@ def hostile(rng: np.random.Generator) -> None:
             t.attn_bias = cpa.RelativePositionBias(rng.standard_normal((32, 4)).astype(np.float32), num_buckets=32,
                                                    max_distance=max_distance, bidirectional=True)
             kw = device_kwargs(t, to_cupy)
-            kw["attn_bias"] = hostile_bucket_bias(kw["attn_bias"])
+            kw["attn_bias"] = hostile_t5_bias(kw["attn_bias"], to_cupy)
             cpa.paged_prefill_attention(*[to_cupy(a) for a in t.args()], **kw)
     key = cupy.asarray(rng.standard_normal((4, 2, 64)).astype(np.float16))
     k_cache = cupy.asarray(rng.standard_normal((3, 16, 2, 64)).astype(np.float16))
