@@ -404,8 +404,8 @@ def check_host_data(problem: DecodeProblem) -> None:
 
 def check_t5_buckets(buckets: np.ndarray, per_side: int) -> None:
     """A RelativePositionBias's bucket array (its own, or one given to ``from_buckets``) holds buckets of one side:
-    every entry in ``[0, per_side)``, as :func:`cupy_paged_attn.t5_bucket_table` builds it. The kernels index the
-    table (and the FP32 decode kernel a column of it in shared memory) with these values unchecked."""
+    every entry in ``[0, per_side)``, as :func:`cupy_paged_attn.t5_bucket_table` builds it. The kernels hold a value
+    outside to the last bucket (a wrong weight, no read outside the table); this check reports it."""
     bad = (buckets < 0) | (buckets >= per_side)
     if bad.any():
         d = int(np.argmax(bad))
