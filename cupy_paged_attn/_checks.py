@@ -197,6 +197,14 @@ class CheckedBias:
                 np.int32(self.m))
 
 
+def check_key_stride(name: str, arr: Any, stride: int) -> None:
+    """The kernels step from one key's bias to the next by a 32-bit byte count (common.cuh, StridedRow)."""
+    step = abs(stride) * np.dtype(arr.dtype).itemsize
+    if step >= 2**31:
+        raise NotImplementedError(f"{name}: the step from one key to the next must be under 2**31 bytes, got "
+                                  f"{abs(stride)} elements ({step} bytes); pass a copy with the keys closer together")
+
+
 def check_bias(attn_bias: Any, arrays: dict[str, Any], num_seqs: int, num_heads: int,
                rows: int | None = None) -> CheckedBias:
     """Validate ``attn_bias`` (None, a dense array, RaggedBias or RelativePositionBias) whose arrays, wrapped, are
@@ -219,6 +227,7 @@ def check_bias(attn_bias: Any, arrays: dict[str, Any], num_seqs: int, num_heads:
         check_shape("attn_bias.offsets", offsets, (num_seqs + 1,), "[num_seqs + 1]")
         check_dtype("attn_bias.offsets", offsets, (np.int32,))
         st = element_strides(values)
+        check_key_stride("attn_bias.values", values, st[0])
         return CheckedBias("ragged", values, offsets, (st[0], st[1], 0, 0), dtype, n=int(values.shape[0]))
     if isinstance(attn_bias, RelativePositionBias):
         table = arrays["attn_bias.table"]
@@ -245,6 +254,7 @@ def check_bias(attn_bias: Any, arrays: dict[str, Any], num_seqs: int, num_heads:
     if tuple(bias.shape[:2]) != want or (rows is not None and bias.shape[2] < rows):
         raise ValueError(f"attn_bias: expected shape {expected}, got {tuple(bias.shape)}")
     st = element_strides(bias)
+    check_key_stride("attn_bias", bias, st[-1])
     strides = (st[0], st[1], 0, st[2]) if rows is None else (st[0], st[1], st[2], st[3])
     return CheckedBias("dense", bias, None, strides, dtype, length=int(bias.shape[-1]))
 

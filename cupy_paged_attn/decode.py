@@ -712,7 +712,8 @@ def paged_attention(
         with a dense bias), the used block ids within ``[0, num_blocks)``, and a RaggedBias's rows of every
         sequence within ``values``.
     NotImplementedError
-        A head_size or block_size outside the supported sets.
+        A head_size or block_size outside the supported sets; a dense bias or RaggedBias values whose keys lie
+        2**31 bytes or more apart (the kernels step from key to key by a 32-bit byte count).
     RuntimeError
         Kernel compilation failed (with the NVRTC log), or NVRTC / CUDA headers are missing (naming the extra).
 

@@ -213,7 +213,8 @@ def paged_prefill_attention(
         ``(num_seqs, num_heads, max_q_len, L)``), the caches as in :func:`paged_attention`, ``kv_layout``, a finite
         ``scale``, one device. On the NumPy path (and with ``validate=True``) also the data.
     NotImplementedError
-        A head_size or block_size outside the supported sets; a RaggedBias.
+        A head_size or block_size outside the supported sets; a RaggedBias; a dense bias whose keys lie 2**31
+        bytes or more apart.
     RuntimeError
         Kernel compilation failed (with the NVRTC log), or NVRTC / CUDA headers are missing.
 

@@ -279,24 +279,27 @@ __device__ __forceinline__ float bias_bits_to_float(unsigned bits, int dtype) {
   return dtype == kBiasF16 ? as_half : as_wide;
 }
 
-// A row of an array in memory: element j at base + j·step. Dense and ragged biases alike.
+// A row of an array in memory: key j's element at byte address row + j·step. Dense and ragged biases alike. The
+// host keeps every key a kernel may read within 2**31 bytes of its row's key 0 (_checks.check_bias), so a key's
+// address is one 32 x 64-bit multiply-add: the FP32 decode kernel's bias loads took 27 instructions per tile and
+// warp with 64-bit element indices (benchmarks/NOTES.md, session 13).
 // load(j) for one key at a time; a caller stepping through keys at fixed distances (the tensor-core kernel's
 // fragments) takes one address per row and tile, at(j), then adds multiples of step_bytes() and calls load_at.
-// (load(j) keeps element indices: as byte addresses, the FP32 decode kernel ran 7-11 % slower with a bias.)
 struct StridedRow {
-  const void* ptr;
-  long long base, step;  // elements
-  int dtype;
-  __device__ __forceinline__ unsigned load(int j) const { return load_bias_bits(ptr, base + j * step, dtype); }
-  __device__ __forceinline__ int itemsize() const { return dtype == kBiasF32 ? 4 : 2; }
-  __device__ __forceinline__ long long step_bytes() const { return step * itemsize(); }
-  __device__ __forceinline__ const char* at(int j) const {
-    return static_cast<const char*>(ptr) + (base + j * step) * itemsize();
+  const char* row;  // key 0 of the row
+  int step;         // bytes from one key to the next
+  bool wide;        // float32 elements, else 16-bit ones
+  static __device__ __forceinline__ StridedRow make(const void* ptr, long long base, long long step, int dtype) {
+    const int size = dtype == kBiasF32 ? 4 : 2;
+    return {static_cast<const char*>(ptr) + base * size, static_cast<int>(step * size), dtype == kBiasF32};
   }
+  __device__ __forceinline__ const char* at(int j) const { return row + static_cast<long long>(j) * step; }
+  __device__ __forceinline__ int step_bytes() const { return step; }
   __device__ __forceinline__ unsigned load_at(const char* p) const {
-    return dtype == kBiasF32 ? __ldg(reinterpret_cast<const unsigned*>(p))
-                             : static_cast<unsigned>(__ldg(reinterpret_cast<const unsigned short*>(p)));
+    return wide ? __ldg(reinterpret_cast<const unsigned*>(p))
+                : static_cast<unsigned>(__ldg(reinterpret_cast<const unsigned short*>(p)));
   }
+  __device__ __forceinline__ unsigned load(int j) const { return load_at(at(j)); }
 };
 
 struct NoBias {
@@ -332,7 +335,7 @@ struct DenseBias {
       return load_bias_bits(a.ptr, base + h * a.stride[1] + i * a.stride[2] + j * a.stride[3], a.dtype);
     }
     __device__ __forceinline__ Row row(int h, int i, int) const {
-      return {a.ptr, base + h * a.stride[1] + i * a.stride[2], a.stride[3], a.dtype};
+      return Row::make(a.ptr, base + h * a.stride[1] + i * a.stride[2], a.stride[3], a.dtype);
     }
   };
   static __device__ __forceinline__ DenseBias make(const BiasArgs& args) { return {args}; }
@@ -356,7 +359,7 @@ struct RaggedBias {
       return load_bias_bits(a.ptr, static_cast<long long>(first + j) * a.stride[0] + h * a.stride[1], a.dtype);
     }
     __device__ __forceinline__ Row row(int h, int, int) const {
-      return {a.ptr, static_cast<long long>(first) * a.stride[0] + h * a.stride[1], a.stride[0], a.dtype};
+      return Row::make(a.ptr, static_cast<long long>(first) * a.stride[0] + h * a.stride[1], a.stride[0], a.dtype);
     }
   };
   static __device__ __forceinline__ RaggedBias make(const BiasArgs& args) { return {args}; }

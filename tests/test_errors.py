@@ -555,6 +555,13 @@ DECODE_BIAS_KIND_ERRORS = [
     decode_case("ragged-rows-past-values", ValueError, r"attn_bias.offsets: sequence 2 has 24 keys but rows "
                 r"\[20, 50\) of values \(total 38\)", attn_bias=ragged(offsets=lambda o: np.array([0, 1, 20, 50],
                                                                                               np.int32))),
+    # the kernels step from key to key by a 32-bit byte count
+    decode_case("dense-key-stride-2**31-bytes", NotImplementedError, r"attn_bias: the step from one key to the next "
+                r"must be under 2\*\*31 bytes, got 536870912 elements \(2147483648 bytes\)",
+                attn_bias=lambda a: huge_key_stride(a["attn_bias"].shape)),
+    decode_case("ragged-key-stride-2**31-bytes", NotImplementedError, r"attn_bias.values: the step from one key to "
+                r"the next must be under 2\*\*31 bytes",
+                attn_bias=ragged(values=lambda v: huge_key_stride(v.shape, 0))),
     decode_case("t5-table-heads", ValueError, r"attn_bias.table: expected shape \(32, 4\) \[num_buckets, "
                 r"num_heads\], got \(32, 2\)", attn_bias=t5(lambda t: t[:, :2])),
     decode_case("t5-table-int", ValueError, r"attn_bias.table: expected dtype float32, float16 or bfloat16, got "
@@ -566,6 +573,14 @@ DECODE_BIAS_KIND_ERRORS = [
     decode_case("t5-bucket-negative", ValueError, r"attn_bias.buckets: distance 0 has bucket -1, outside \[0, 16\)",
                 attn_bias=t5_buckets(lambda b: replaced(b, 0, -1), bidirectional=True)),
 ]
+
+
+def huge_key_stride(shape: tuple[int, ...], axis: int = -1) -> np.ndarray:
+    """A float32 array of ``shape`` whose keys (``axis``) lie 2**31 bytes apart (a view of one element: the checks
+    must refuse it before anything reads it)."""
+    strides = [0] * len(shape)
+    strides[axis] = 2**31
+    return as_strided(np.zeros(1, np.float32), shape, strides)
 
 
 def _foreign_t5() -> RelativePositionBias:
@@ -778,6 +793,8 @@ PREFILL_ERRORS = [
                  attn_bias=lambda a: a["attn_bias"][:, :2]),
     prefill_case("t5-bucket-past-side", ValueError, r"attn_bias.buckets: distance 127 has bucket 40, outside "
                  r"\[0, 32\)", attn_bias=t5_buckets(lambda b: replaced(b, 127, 40))),
+    prefill_case("bias-key-stride-2**31-bytes", NotImplementedError, r"attn_bias: the step from one key to the next "
+                 r"must be under 2\*\*31 bytes", attn_bias=lambda a: huge_key_stride(a["attn_bias"].shape)),
     prefill_case("bias-rows", ValueError, r"attn_bias: sequence 2 has 10 query rows, more than the bias's "
                  r"max_q_len = 9", attn_bias=lambda a: a["attn_bias"][:, :, :9]),
     prefill_case("bias-short", ValueError, r"seq_lens: sequence 2 has length 24, outside \[0, 20\]",
