@@ -293,7 +293,7 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
     bias_row = seq_bias.row(h, 0, len - 1);
   }
 #pragma unroll
-  for (int t = 0; t < kAhead; ++t) issue_bias(t, start + t * TILE);
+  for (int t = 0; t < kStages; ++t) issue_bias(t, start + t * TILE);
 
   for (int t_base = start; t_base < end; t_base += kStages * TILE) {
 #pragma unroll
@@ -305,7 +305,6 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
       // the copies issued next overwrite.
       __syncthreads();
       issue((st + kAhead) % kStages, t0 + kAhead * TILE);
-      issue_bias((st + kAhead) % kStages, t0 + kAhead * TILE);
       fetch_ids((st + 2 * kAhead) % kStages, t0 + 2 * kAhead * TILE);
 
       // ---- Logits x_k = <scale·q, k_j> + alibi·(j − len + 1) + bias(j) (−inf for a token that is no key). The
@@ -332,6 +331,9 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
         }
         x[k] = group_sum<TX>(dot);
       }
+      // Tile t0's bias is in its logits: its ring slot takes the bias of the tile kStages ahead, a whole ring of
+      // tiles before its turn (one tile more than the copies; benchmarks/NOTES.md, session 13).
+      issue_bias(st, t0 + kStages * TILE);
 
       // ---- Online softmax: when max_k x_k exceeds m by more than kRescaleSlack, m moves to it and l and acc are
       // rescaled by α = 2^(m − m_new) (0 at the first key, while m = −inf); then p_k = 2^(x_k − m) ≤ 2^kRescaleSlack.
