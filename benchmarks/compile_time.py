@@ -11,6 +11,12 @@ Each child times each step with ``time.perf_counter``. The library's own cost is
 framework's (a caller with CuPy, PyTorch or JAX arrays has NumPy loaded already) plus the fetch; the framework's
 import and the context creation (CuPy's first allocation) are shown apart.
 
+The children import the library as an installed wheel does, from bytecode: pip compiles a wheel's modules at install
+time, but a source checkout run with ``PYTHONDONTWRITEBYTECODE`` set (as on the GPU machines lent here) compiles
+every module again in every process, about 30-40 ms. So the children write and read their bytecode in a temporary
+``PYTHONPYCACHEPREFIX`` (the cold child writes it); the column "no bytecode" is a third child's import with
+``PYTHONDONTWRITEBYTECODE`` set and no bytecode, for comparison.
+
 ``--offline ARCH`` times only the NVRTC compile of each specialisation for ARCH (e.g. sm_90), in this process, with
 no GPU.
 
@@ -75,9 +81,16 @@ def child(name: str, device: int) -> dict[str, float | str]:
     return {"key": spec.key, "framework": t0 - start, "import": t1 - t0, "context": t2 - t1, "fetch": t3 - t2}
 
 
-def run_child(name: str, device: int, cache_dir: str) -> dict[str, Any]:
-    """:func:`child` in a new Python process using the CuPy kernel cache ``cache_dir``."""
+def run_child(name: str, device: int, cache_dir: str, pycache: str | None) -> dict[str, Any]:
+    """:func:`child` in a new Python process using the CuPy kernel cache ``cache_dir`` and the bytecode cache
+    ``pycache`` (None: no bytecode written or read)."""
     env = {**os.environ, "CUPY_CACHE_DIR": cache_dir}
+    if pycache is None:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        env.pop("PYTHONPYCACHEPREFIX", None)
+    else:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = pycache
     result = subprocess.run([sys.executable, __file__, "--child", name, "--device", str(device)], env=env,
                             capture_output=True, text=True, timeout=300, check=False)
     if result.returncode != 0:
@@ -115,16 +128,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.offline:
         offline(names, args.offline)
         return 0
+    print(f"PYTHONDONTWRITEBYTECODE in this environment: {os.environ.get('PYTHONDONTWRITEBYTECODE', '(unset)')}")
     print("spec                 key                                           cupy import  our import   context"
-          "  first fetch  cached fetch  our import + cached fetch")
+          "  first fetch  cached fetch  our import + cached fetch  our import, no bytecode")
     for name in names:
-        with tempfile.TemporaryDirectory() as cache_dir:
-            cold = run_child(name, args.device, cache_dir)
-            warm = run_child(name, args.device, cache_dir)
+        with tempfile.TemporaryDirectory() as cache_dir, tempfile.TemporaryDirectory() as pycache:
+            cold = run_child(name, args.device, cache_dir, pycache)
+            warm = run_child(name, args.device, cache_dir, pycache)
+            source = run_child(name, args.device, cache_dir, None)
         total_ms = (warm["import"] + warm["fetch"]) * 1e3
         print(f"{name:20s} {cold['key']:45s} {warm['framework'] * 1e3:8.0f} ms {warm['import'] * 1e3:7.0f} ms "
               f"{warm['context'] * 1e3:6.0f} ms {cold['fetch']:9.2f} s {warm['fetch'] * 1e3:9.1f} ms "
-              f"{total_ms:22.0f} ms")
+              f"{total_ms:22.0f} ms {source['import'] * 1e3:20.0f} ms")
     return 0
 
 

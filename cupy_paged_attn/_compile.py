@@ -196,11 +196,13 @@ def get_cache_write_kernel(spec: CacheWriteSpec, device_id: int) -> Any:
     return _module("cache_write.cu", spec.key, names, device_id).get_function(names[0])
 
 
-def compile_offline(filename: str, names: list[str], arch: str, extra: str = "") -> tuple[bytes, dict[str, str]]:
+def compile_offline(filename: str, names: list[str], arch: str, extra: str = "",
+                    source: str | None = None) -> tuple[bytes, dict[str, str]]:
     """Compile ``names`` of one kernel family for ``arch`` (e.g. ``"sm_90"``) with no GPU present.
 
     Returns the cubin and each name expression's lowered (mangled) symbol. ``extra`` is appended to the source
-    (tests add ``static_assert``s comparing the kernels' constants with their host-side mirrors).
+    (tests add ``static_assert``s comparing the kernels' constants with their host-side mirrors). ``source``, when
+    given, is compiled instead of the family's file (the benchmarks' own probe kernels; ``filename`` names it).
 
     Uses CuPy's private NVRTC bindings (``RawModule.compile`` needs a device); kept in this one function so a
     CuPy upgrade that moves them breaks one place. Raises RuntimeError with the NVRTC log on failure.
@@ -209,7 +211,8 @@ def compile_offline(filename: str, names: list[str], arch: str, extra: str = "")
     from cupy_backends.cuda.libs import nvrtc
 
     options = assemble_cupy_compiler_options((*_COMPILE_OPTIONS, f"-arch={arch}"))
-    program = nvrtc.createProgram(kernel_source(filename) + extra, filename, [], [])
+    text = kernel_source(filename) if source is None else source
+    program = nvrtc.createProgram(text + extra, filename, [], [])
     try:
         for name in names:
             nvrtc.addNameExpression(program, name)

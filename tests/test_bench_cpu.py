@@ -1,6 +1,6 @@
 """CPU: the benchmark scripts without a GPU, so that a mistake there shows here rather than at the end of a GPU run:
 ``benchmarks/bench_decode.py``'s dry run, command line, floor bytes and report (from made-up times), and
-``benchmarks/compile_time.py``'s offline mode.
+``benchmarks/compile_time.py``'s offline mode, ``benchmarks/decode_probe.py``'s probe kernels and command line.
 """
 
 from __future__ import annotations
@@ -179,3 +179,32 @@ def test_compile_time_offline_and_bad_specs():
     assert "reshape_and_cache_bf16_nhd_slot-i32" in result.stdout and " s" in result.stdout
     bad = run_script("--specs", "nope", script=script)
     assert bad.returncode == 2 and "--specs" in bad.stderr
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_decode_probe_kernels_compile(arch):
+    """The floor probes' CUDA source (benchmarks/decode_probe.py) compiles, so a mistake there fails here."""
+    from cupy_paged_attn import _compile
+
+    spec = importlib.util.spec_from_file_location("decode_probe_source", REPO_ROOT / "benchmarks" / "decode_probe.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))  # it imports bench_decode
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+    cubin, _ = _compile.compile_offline("decode_probe.cu", [], arch, source=module.PROBE_SOURCE)
+    assert cubin[:4] == b"\x7fELF"
+    for name in ("probe_read2", "probe_read4", "probe_read_combine", "probe_read_unsplit", "probe_empty",
+                 "probe_reduce"):
+        assert name.encode() in cubin
+
+
+def test_decode_probe_command_line_without_a_gpu():
+    """An unknown probe is refused (exit 2); without a GPU the probes say they need one (exit 2)."""
+    script = REPO_ROOT / "benchmarks" / "decode_probe.py"
+    result = run_script("bogus", script=script)
+    assert result.returncode == 2 and "invalid choice: 'bogus'" in result.stderr
+    if importlib.util.find_spec("torch") is None:
+        result = run_script("floor", script=script)
+        assert result.returncode == 2 and "no CUDA device" in result.stderr

@@ -1,0 +1,449 @@
+"""Probes of where decode time goes, each timed like bench_decode.py (L2 flushed before every repetition, CUDA
+graphs over ``--sets`` input sets, median of ``--reps``), each printing a table:
+
+``floor``
+    The latency case (B1 H16/16 d64 L1024, bf16, block 16) against kernels that do nothing but what any decode
+    kernel must: read ``seq_lens`` and the block table, read every key and value vector through it (4.2 MB), write
+    a result. ``probe-empty`` is a launch of the same grid that reads nothing; ``probe-read PxT`` reads the case's
+    K and V with P CTAs per head of T threads, every load issued at once (two dependent round trips to memory:
+    table, then K/V), and writes one float per thread; ``+ reduce`` adds a second kernel of 16 CTAs that combines
+    the partitions' results, as a split-K decode must; ``+ last-CTA combine`` combines them in the same kernel
+    instead (the last CTA of each head to finish, told by an atomic counter); ``probe-read unsplit`` is one CTA of
+    1024 threads per head with all of the head's keys and values in flight at once (needing no combine). What they
+    take is the floor of this harness for the case: launch, round trips, bytes, and no arithmetic. Beside them our
+    ``DecodePlan.run`` with and without its split-K reduction (the partials then stay uncombined: timing only).
+``bias-layout``
+    Our kernels with a dense bias laid out ``[B, Hq, L]`` (keys fastest, as bench_decode) and ``[B, L, Hq]``
+    (heads fastest, passed as the strided view ``[B, Hq, L]``), a RaggedBias and T5, beside no bias.
+``split``
+    The ragged-length MHA case (B64 H16/16 d64 L 1024-2048) and the B64 L2048 case with the keys split into 1-4
+    partitions (``decode._CTAS_PER_SM_TARGET``) and split grids capped at 3 or 4 CTAs per SM.
+
+Run on a GPU machine: ``PYTHONPATH=. python3 benchmarks/decode_probe.py [floor] [bias-layout] [split]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import bench_decode as bd
+
+PROBE_SOURCE = r"""
+// probe_read: CTA (head h = blockIdx.x, partition blockIdx.y) reads the K and V vectors of its tokens_per_cta
+// keys (16 bytes each; a token's nvec vectors are adjacent in an NHD page) through the block table, every load
+// issued before any is used, and writes one float per thread (the XOR of what it read, so nothing is elided; its
+// top exponent bit cleared, so it is never NaN: bench_decode's capture check poisons outputs with NaN).
+template <int VPT>
+__device__ void probe_read_body(const uint4* __restrict__ key, const uint4* __restrict__ value,
+                                const int* __restrict__ table, const int* __restrict__ seq_lens,
+                                float* __restrict__ out, int num_kv_heads, int nvec, int tokens_per_cta,
+                                long long page_vecs) {
+  const int h = blockIdx.x;
+  const int start = blockIdx.y * tokens_per_cta;
+  const int len = seq_lens[0];
+  int blk[VPT];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int idx = threadIdx.x + i * blockDim.x;
+    const int t = start + idx / nvec;
+    blk[i] = idx < tokens_per_cta * nvec ? table[t >> 4] : -1;
+  }
+  uint4 k[VPT], v[VPT];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int idx = threadIdx.x + i * blockDim.x;
+    const int t = start + idx / nvec;
+    const int c = idx % nvec;
+    k[i] = v[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (blk[i] >= 0 && t < len) {
+      const long long at = blk[i] * page_vecs + ((t & 15) * num_kv_heads + h) * nvec + c;
+      k[i] = __ldg(key + at);
+      v[i] = __ldg(value + at);
+    }
+  }
+  unsigned x = 0u;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) x ^= k[i].x ^ k[i].y ^ k[i].z ^ k[i].w ^ v[i].x ^ v[i].y ^ v[i].z ^ v[i].w;
+  out[(static_cast<long long>(blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x] =
+      __uint_as_float(x & 0xbfffffffu);
+}
+
+extern "C" __global__ void probe_read2(const uint4* key, const uint4* value, const int* table, const int* seq_lens,
+                                       float* out, int num_kv_heads, int nvec, int tokens_per_cta,
+                                       long long page_vecs) {
+  probe_read_body<2>(key, value, table, seq_lens, out, num_kv_heads, nvec, tokens_per_cta, page_vecs);
+}
+
+extern "C" __global__ void probe_read4(const uint4* key, const uint4* value, const int* table, const int* seq_lens,
+                                       float* out, int num_kv_heads, int nvec, int tokens_per_cta,
+                                       long long page_vecs) {
+  probe_read_body<4>(key, value, table, seq_lens, out, num_kv_heads, nvec, tokens_per_cta, page_vecs);
+}
+
+// probe_read_combine: probe_read4, then the last CTA of each head to finish (a ticket from an atomic counter, zero
+// before the launch and reset by that CTA) sums the first head_size floats of its parts partitions and writes them:
+// a split-K combine without a second kernel.
+extern "C" __global__ void probe_read_combine(const uint4* key, const uint4* value, const int* table,
+                                              const int* seq_lens, float* part, float* out, int* counters,
+                                              int num_kv_heads, int nvec, int tokens_per_cta, long long page_vecs,
+                                              int head_size) {
+  probe_read_body<4>(key, value, table, seq_lens, part, num_kv_heads, nvec, tokens_per_cta, page_vecs);
+  __shared__ bool last;
+  __threadfence();  // this CTA's partials are visible to the CTA that combines them
+  __syncthreads();  // every thread's partials are written and fenced
+  if (threadIdx.x == 0) last = atomicAdd(counters + blockIdx.x, 1) == static_cast<int>(gridDim.y) - 1;
+  __syncthreads();  // the ticket is known to every thread
+  if (!last) return;
+  const int d = threadIdx.x;
+  if (d < head_size) {
+    float s = 0.0f;
+    for (int p = 0; p < static_cast<int>(gridDim.y); ++p)
+      s += __ldcg(part + (static_cast<long long>(p) * gridDim.x + blockIdx.x) * blockDim.x + d);
+    out[blockIdx.x * head_size + d] = s;
+  }
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch
+}
+
+// probe_read_unsplit: one CTA of 1024 threads per head reads all of the head's tokens keys at once, the keys by
+// cp.async into shared memory (tokens·nvec vectors), the values into registers (8 vectors a thread), and writes one
+// float per thread: the best case of a decode kernel that does not split the keys (and so needs no combine), whose
+// CTA must hold a head's whole K and V in flight.
+extern "C" __global__ void __launch_bounds__(1024, 1) probe_read_unsplit(
+    const uint4* __restrict__ key, const uint4* __restrict__ value, const int* __restrict__ table,
+    const int* __restrict__ seq_lens, float* __restrict__ out, int num_kv_heads, int nvec, int tokens,
+    long long page_vecs) {
+  constexpr int VPT = 8;
+  extern __shared__ uint4 k_s[];
+  const int h = blockIdx.x;
+  const int len = seq_lens[0];
+  int blk[VPT];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int idx = threadIdx.x + i * blockDim.x;
+    blk[i] = idx < tokens * nvec ? table[(idx / nvec) >> 4] : -1;
+  }
+  uint4 v[VPT];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int idx = threadIdx.x + i * blockDim.x;
+    const int t = idx / nvec;
+    v[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (blk[i] >= 0 && t < len) {
+      const long long at = blk[i] * page_vecs + ((t & 15) * num_kv_heads + h) * nvec + idx % nvec;
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(k_s + idx));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(key + at));
+      v[i] = __ldg(value + at);
+    } else if (idx < tokens * nvec) {
+      k_s[idx] = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+  asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's copies have landed (it reads only those)
+  unsigned x = 0u;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int idx = threadIdx.x + i * blockDim.x;
+    const uint4 k = idx < tokens * nvec ? k_s[idx] : make_uint4(0u, 0u, 0u, 0u);
+    x ^= k.x ^ k.y ^ k.z ^ k.w ^ v[i].x ^ v[i].y ^ v[i].z ^ v[i].w;
+  }
+  out[static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x] = __uint_as_float(x & 0xbfffffffu);
+}
+
+// probe_empty: the same grid, no loads: one float per thread.
+extern "C" __global__ void probe_empty(float* out) {
+  out[(static_cast<long long>(blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x] = 1.0f;
+}
+
+// probe_reduce: CTA h sums the first head_size floats of each of its parts partitions' CTAs (what a split-K
+// reduction reads) and writes head_size floats.
+extern "C" __global__ void probe_reduce(const float* __restrict__ part, float* __restrict__ out, int parts,
+                                        int threads_per_part, int head_size) {
+  const int h = blockIdx.x;
+  const int d = threadIdx.x;
+  if (d >= head_size) return;
+  float s = 0.0f;
+  for (int p = 0; p < parts; ++p) s += part[(static_cast<long long>(p) * gridDim.x + h) * threads_per_part + d];
+  out[h * head_size + d] = s;
+}
+"""
+
+LATENCY_CASE = 4  # bench_decode.CASES[4]: B1 H16/16 d64 L1024
+BIAS_CASES = (0, 1, 3, 8)
+SPLIT_CASES = (0, 1)
+
+
+@contextlib.contextmanager
+def cupy_on_torch_stream() -> Iterator[None]:
+    """CuPy's current stream is torch's current one (a capture stream inside ``torch.cuda.graph``)."""
+    import cupy
+    import torch
+
+    with cupy.cuda.Stream.from_external(torch.cuda.current_stream()):
+        yield
+
+
+def time_sets(timer: bd.Timer, calls: Sequence[Callable[[], Any]], outputs: Sequence[Any]) -> float:
+    """µs per call of ``calls`` (one per input set) replayed as one CUDA graph, L2 flushed before each replay."""
+    def body() -> list[Any]:
+        for call in calls:
+            call()
+        return list(outputs)
+
+    graph, error = bd.capture_graph(body)
+    if graph is None:
+        raise RuntimeError(error)
+    return 1e3 * timer.median_ms(graph.replay) / len(calls)
+
+
+def probe_rows(timer: bd.Timer, sets: list[bd.InputSet], case: bd.Case) -> list[tuple[str, float]]:
+    """The floor probes of the latency case: (row, µs per call)."""
+    import cupy
+
+    module = cupy.RawModule(code=PROBE_SOURCE, options=("-std=c++17",))
+    rows = []
+    for parts, threads in ((8, 256), (16, 256), (16, 128)):
+        rows += probe_grid(timer, module, sets, case, parts, threads, with_empty=parts == 8)
+    return [*rows, probe_unsplit(timer, module, sets, case)]
+
+
+def probe_unsplit(timer: bd.Timer, module: Any, sets: list[bd.InputSet], case: bd.Case) -> tuple[str, float]:
+    """probe_read_unsplit: one CTA of 1024 threads per head, all of its keys and values in flight at once."""
+    import cupy
+    import torch
+
+    heads, nvec, tokens, threads = case.num_kv_heads, case.head_size * case.itemsize // 16, case.max_len, 1024
+    if tokens * nvec != 8 * threads:
+        raise ValueError(f"probe_read_unsplit holds 8 vectors a thread; {case.name} has {tokens * nvec}")
+    smem = tokens * nvec * 16
+    kernel = module.get_function("probe_read_unsplit")
+    kernel.max_dynamic_shared_size_bytes = smem
+    partials = [torch.empty(heads * threads, device="cuda") for _ in sets]
+    ptr = cupy.uint64
+
+    def read(i: int) -> None:
+        s = sets[i]
+        with cupy_on_torch_stream():
+            kernel((heads,), (threads,), (
+                ptr(s.key_cache.data_ptr()), ptr(s.value_cache.data_ptr()), ptr(s.block_tables.data_ptr()),
+                ptr(s.seq_lens.data_ptr()), ptr(partials[i].data_ptr()), cupy.int32(heads), cupy.int32(nvec),
+                cupy.int32(tokens), cupy.int64(bd.BLOCK_SIZE * heads * nvec)), shared_mem=smem)
+
+    calls = [functools.partial(read, i) for i in range(len(sets))]
+    return f"probe-read unsplit 1x{threads} ({smem // 1024} KB of K in shared memory)", time_sets(timer, calls,
+                                                                                                  partials)
+
+
+def probe_grid(timer: bd.Timer, module: Any, sets: list[bd.InputSet], case: bd.Case, parts: int, threads: int,
+               with_empty: bool) -> list[tuple[str, float]]:
+    """probe-read (and probe-empty) with ``parts`` CTAs of ``threads`` threads per head, alone and with the reduce."""
+    import cupy
+    import torch
+
+    heads, nvec = case.num_kv_heads, case.head_size * case.itemsize // 16
+    tokens = case.max_len // parts
+    kernel = module.get_function(f"probe_read{tokens * nvec // threads}")
+    empty, reduce = module.get_function("probe_empty"), module.get_function("probe_reduce")
+    partials = [torch.empty(parts * heads * threads, device="cuda") for _ in sets]
+    reduced = [torch.empty(heads * case.head_size, device="cuda") for _ in sets]
+    ptr = cupy.uint64
+
+    def read(i: int) -> None:
+        s = sets[i]
+        with cupy_on_torch_stream():
+            kernel((heads, parts), (threads,), (
+                ptr(s.key_cache.data_ptr()), ptr(s.value_cache.data_ptr()), ptr(s.block_tables.data_ptr()),
+                ptr(s.seq_lens.data_ptr()), ptr(partials[i].data_ptr()), cupy.int32(heads), cupy.int32(nvec),
+                cupy.int32(tokens), cupy.int64(bd.BLOCK_SIZE * heads * nvec)))
+
+    def read_reduce(i: int) -> None:
+        read(i)
+        with cupy_on_torch_stream():
+            reduce((heads,), (128,), (ptr(partials[i].data_ptr()), ptr(reduced[i].data_ptr()), cupy.int32(parts),
+                                      cupy.int32(threads), cupy.int32(case.head_size)))
+
+    def nothing(i: int) -> None:
+        with cupy_on_torch_stream():
+            empty((heads, parts), (threads,), (ptr(partials[i].data_ptr()),))
+
+    label = f"{parts}x{threads}"
+    indices = range(len(sets))
+    rows = [(f"probe-empty {label}", time_sets(timer, [functools.partial(nothing, i) for i in indices], partials))
+            ] if with_empty else []
+    rows.append((f"probe-read {label}", time_sets(timer, [functools.partial(read, i) for i in indices], partials)))
+    rows.append((f"probe-read {label} + reduce",
+                 time_sets(timer, [functools.partial(read_reduce, i) for i in indices], reduced)))
+    if tokens * nvec // threads == 4:
+        combine = module.get_function("probe_read_combine")
+        counters = [torch.zeros(heads, dtype=torch.int32, device="cuda") for _ in sets]
+
+        def read_combine(i: int) -> None:
+            s = sets[i]
+            with cupy_on_torch_stream():
+                combine((heads, parts), (threads,), (
+                    ptr(s.key_cache.data_ptr()), ptr(s.value_cache.data_ptr()), ptr(s.block_tables.data_ptr()),
+                    ptr(s.seq_lens.data_ptr()), ptr(partials[i].data_ptr()), ptr(reduced[i].data_ptr()),
+                    ptr(counters[i].data_ptr()), cupy.int32(heads), cupy.int32(nvec), cupy.int32(tokens),
+                    cupy.int64(bd.BLOCK_SIZE * heads * nvec), cupy.int32(case.head_size)))
+
+        rows.append((f"probe-read {label} + last-CTA combine",
+                     time_sets(timer, [functools.partial(read_combine, i) for i in indices], reduced)))
+    return rows
+
+
+def ours_rows(timer: bd.Timer, case: bd.Case, sets: list[bd.InputSet],
+              biases: dict[str, Callable[[bd.InputSet], Any]]) -> list[tuple[str, float]]:
+    """Our decode on each set, per bias variant: (row, µs per call); each output checked against the first row's
+    with the same bias values (the dense bias's, for every variant but none and T5)."""
+    import torch
+
+    rows = []
+    for name, bias_of in biases.items():
+        args = [bias_of(s) for s in sets]
+        calls = [lambda s=s, a=a: bd.ours(s, a, s.out) for s, a in zip(sets, args, strict=True)]
+        rows.append((name, time_sets(timer, calls, [s.out for s in sets])))
+        if name not in ("none", "t5"):
+            reference = bd.ours(sets[0], sets[0].bias)
+            got = bd.ours(sets[0], args[0])
+            diff = float((got.float() - reference.float()).abs().max())
+            if diff > bd.TOLERANCE[case.dtype]:
+                raise AssertionError(f"{name}: max |diff| against the dense bias {diff:.3g}")
+        torch.cuda.synchronize()
+    return rows
+
+
+def heads_inner(bias: Any) -> Any:
+    """The same values as ``bias`` ``[B, Hq, L]``, stored heads fastest (``[B, L, Hq]``), as a strided view."""
+    return bias.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def build(index: int, args: argparse.Namespace) -> tuple[bd.Case, list[bd.InputSet]]:
+    """bench_decode's inputs of case ``index`` (its seed and set count)."""
+    case = bd.CASES[index]
+    seq_lens = bd.draw_seq_lens(case, args.seed + index)
+    sets, _ = bd.build_inputs(case, seq_lens, case.num_sets(args.sets), args.seed + index)
+    for s in sets:
+        s.make_bias_object("ragged")
+        s.make_bias_object("t5")
+    return case, sets
+
+
+def attention_only_rows(timer: bd.Timer, sets: list[bd.InputSet]) -> list[tuple[str, float]]:
+    """``DecodePlan.run`` without a bias, with and without its split-K reduction (the partials are then never
+    combined: timing only, the output is the workspace)."""
+    import cupy_paged_attn as cpa
+
+    def operands(s: bd.InputSet) -> tuple[Any, ...]:
+        return s.query, s.key_cache, s.value_cache, s.block_tables, s.seq_lens
+
+    rows = []
+    for name, reduce in (("plan.run", True), ("plan.run, attention kernel only", False)):
+        plan = cpa.DecodePlan(*operands(sets[0]))
+        if plan.launch.num_parts < 2:
+            raise RuntimeError("the latency case is expected to split its keys")
+        if not reduce:
+            plan._dependent_reduce = NoLaunch()
+            plan._reduce_args = NoLaunch()
+        outputs = [plan._workspace[0].tensor] if not reduce else [s.out for s in sets]
+        calls = [functools.partial(plan.run, *operands(s), out=s.out) for s in sets]
+        rows.append((f"{name} ({plan.launch.num_parts} parts)", time_sets(timer, calls, outputs)))
+    return rows
+
+
+class NoLaunch:
+    """Stands in for a plan's reduction launch (attention_only_rows)."""
+
+    def launch(self, *args: Any) -> None:
+        pass
+
+    def set_pointer(self, *args: Any) -> None:
+        pass
+
+    def set(self, *args: Any) -> None:
+        pass
+
+
+def floor(args: argparse.Namespace, timer: bd.Timer) -> list[tuple[str, str, float]]:
+    case, sets = build(LATENCY_CASE, args)
+    rows = ours_rows(timer, case, sets, {"none": lambda s: None, "dense": lambda s: s.bias})
+    rows += attention_only_rows(timer, sets)
+    rows += probe_rows(timer, sets, case)
+    return [(case.name, name, us) for name, us in rows]
+
+
+def bias_layout(args: argparse.Namespace, timer: bd.Timer) -> list[tuple[str, str, float]]:
+    table = []
+    for index in args.bias_cases:
+        case, sets = build(index, args)
+        inner = {id(s): heads_inner(s.bias) for s in sets}
+        rows = ours_rows(timer, case, sets, {
+            "none": lambda s: None, "dense [B,H,L]": lambda s: s.bias,
+            "dense [B,L,H]": lambda s, inner=inner: inner[id(s)], "ragged": lambda s: s.ragged_bias,
+            "t5": lambda s: s.t5_bias})
+        table += [(case.name, name, us) for name, us in rows]
+    return table
+
+
+def split(args: argparse.Namespace, timer: bd.Timer) -> list[tuple[str, str, float]]:
+    from cupy_paged_attn import decode
+
+    saved = (decode._SPLIT_BELOW_CTAS_PER_SM, decode._CTAS_PER_SM_TARGET, decode._SPLIT_CTAS_PER_SM)
+    table = []
+    try:
+        for index in SPLIT_CASES:
+            case, sets = build(index, args)
+            for target, cap in ((0, 3), (8, 3), (16, 3), (24, 3), (8, 4), (16, 4), (24, 4)):
+                if target:
+                    decode._SPLIT_BELOW_CTAS_PER_SM, decode._CTAS_PER_SM_TARGET = 10**6, target
+                else:
+                    decode._SPLIT_BELOW_CTAS_PER_SM, decode._CTAS_PER_SM_TARGET = saved[0], saved[1]
+                decode._SPLIT_CTAS_PER_SM = cap
+                decode._PLANS.__dict__.pop("plans", None)  # plans are keyed by shapes, not by these knobs
+                rows = ours_rows(timer, case, sets, {"none": lambda s: None, "dense": lambda s: s.bias})
+                parts = max(plan.launch.num_parts for plan in decode._PLANS.plans.values())
+                label = f"{parts} parts, at most {cap} CTAs/SM" if parts > 1 else "unsplit"
+                table += [(case.name, f"{name:5s} {label}", us) for name, us in rows]
+            del sets
+    finally:
+        decode._SPLIT_BELOW_CTAS_PER_SM, decode._CTAS_PER_SM_TARGET, decode._SPLIT_CTAS_PER_SM = saved
+        decode._PLANS.__dict__.pop("plans", None)
+    return table
+
+
+PROBES = {"floor": floor, "bias-layout": bias_layout, "split": split}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("probes", nargs="*", default=list(PROBES), choices=list(PROBES))
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--sets", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bias-cases", type=bd.parse_case_indices, default=list(BIAS_CASES))
+    args = parser.parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        print("decode_probe: no CUDA device; these probes need a GPU", file=sys.stderr)
+        return 2
+    timer = bd.Timer("auto", args.reps, 10)
+    table = []
+    for name in args.probes:
+        rows = PROBES[name](args, timer)
+        table += [(name, *row) for row in rows]
+        for row in rows:
+            print(f"{name:12s} {row[0]:28s} {row[1]:58s} {row[2]:9.2f} us", flush=True)
+    print(f"\n{'probe':12s} {'case':28s} {'row':58s} {'us':>9s}")
+    for probe, case, row, us in table:
+        print(f"{probe:12s} {case:28s} {row:58s} {us:9.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
