@@ -3,8 +3,14 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
+
+# JAX preallocates 75 % of the GPU when it starts: with the GPU tests spread over workers (pytest -n 8), the first
+# worker to import JAX would leave the others out of memory. Set before any test module imports JAX.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def _gpu_count() -> int:
