@@ -280,9 +280,9 @@ __device__ __forceinline__ float bias_bits_to_float(unsigned bits, int dtype) {
 }
 
 // A row of an array in memory: key j's element at byte address row + j·step. Dense and ragged biases alike. The
-// host keeps every key a kernel may read within 2**31 bytes of its row's key 0 (_checks.check_bias), so a key's
-// address is one 32 x 64-bit multiply-add: the FP32 decode kernel's bias loads took 27 instructions per tile and
-// warp with 64-bit element indices (benchmarks/NOTES.md, session 13).
+// host keeps the step from one key to the next under 2**31 bytes (_checks.check_key_stride), so a key's address is
+// one 32 x 32 -> 64-bit multiply-add onto the row's pointer: with 64-bit element indices the FP32 decode kernel's
+// bias loads took 27 instructions per tile and warp (benchmarks/NOTES.md, session 13).
 // load(j) for one key at a time; a caller stepping through keys at fixed distances (the tensor-core kernel's
 // fragments) takes one address per row and tile, at(j), then adds multiples of step_bytes() and calls load_at.
 struct StridedRow {

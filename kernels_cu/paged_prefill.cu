@@ -562,7 +562,7 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
       for (int hf = 0; hf < NR; ++hf) {
         const bool whole = L::kDecode && j0 + (NT_S - 1) * 8 + 1 < row_end[hf];  // every key of it is in the row
         const char* p = bias_rows[hf].at(j0);
-        const long long step = bias_rows[hf].step_bytes();  // (a key's offset in 64 bits: step may be large)
+        const long long step = bias_rows[hf].step_bytes();  // widened: (8·nt + c)·step may pass 2**31
         if (row_end[hf] > kstart) {  // one branch per row, not per key
 #pragma unroll
           for (int nt = 0; nt < NT_S; ++nt)
