@@ -37,6 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--rows", default="", help="time only the rows whose label holds this text (e.g. plan.run)")
     parser.add_argument("--heads", default="16/16",
                         help="query/KV heads (default 16/16, the latency case; e.g. 32/8 takes the tensor-core kernel)")
     args = parser.parse_args()
@@ -59,6 +60,8 @@ def main() -> None:
         "paged_attention, no bias": (cpa.paged_attention, {}),
         "paged_attention, dense bias": (cpa.paged_attention, {"attn_bias": bias}),
         "paged_attention, dense, out=": (cpa.paged_attention, {"attn_bias": bias, "out": out}),
+        "paged_attention, no bias, out=": (cpa.paged_attention, {"out": out}),
+        "paged_attention, T5 bias, out=": (cpa.paged_attention, {"attn_bias": t5, "out": out}),
         "plan.run, no bias, out=": (plan_none.run, {"out": out}),
         "plan.run, dense bias": (plan.run, {"attn_bias": bias}),
         "plan.run, dense bias, out=": (plan.run, {"attn_bias": bias, "out": out}),
@@ -67,6 +70,8 @@ def main() -> None:
     print(f"B{batch} H{heads}/{kv_heads} d{head_size} L{length}, bf16: "
           f"{'tensor cores' if plan.launch.tensor_cores else 'FP32 kernel'}, {plan.launch.num_parts} partitions")
     for label, (call, kwargs) in variants.items():
+        if args.rows and args.rows not in label:
+            continue
         for _ in range(50):
             call(q, k, v, tables, lens, **kwargs)
         torch.cuda.synchronize()
@@ -82,13 +87,15 @@ def main() -> None:
               f"(p10 {sorted(times)[len(times) // 10] * 1e6:.1f}, p90 {sorted(times)[9 * len(times) // 10] * 1e6:.1f})")
 
     if args.profile:
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(500):
-            plan.run(q, k, v, tables, lens, attn_bias=bias, out=out)
-        profiler.disable()
-        torch.cuda.synchronize()
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+        for label, call in (("plan.run", plan.run), ("paged_attention", cpa.paged_attention)):
+            print(f"cProfile of 500 calls of {label}, dense bias, out=")
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(500):
+                call(q, k, v, tables, lens, attn_bias=bias, out=out)
+            profiler.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
 
 
 if __name__ == "__main__":

@@ -172,6 +172,22 @@ def bias_operands(attn_bias: Any) -> dict[str, Any]:
     return {"attn_bias": attn_bias}
 
 
+def bias_geometry(attn_bias: Any) -> tuple[Any, ...]:
+    """What of ``attn_bias`` (any kind) a plan fixes besides its arrays' signatures: the kind and, for a
+    RelativePositionBias, ``(num_buckets, max_distance, bidirectional)``."""
+    if isinstance(attn_bias, RelativePositionBias):
+        return (RelativePositionBias, attn_bias.num_buckets, attn_bias.max_distance, attn_bias.bidirectional)
+    return (type(attn_bias),)
+
+
+def describe_bias_geometry(geometry: tuple[Any, ...]) -> str:
+    kind = geometry[0].__name__
+    if len(geometry) == 1:
+        return kind
+    num_buckets, max_distance, bidirectional = geometry[1:]
+    return f"{kind}(num_buckets={num_buckets}, max_distance={max_distance}, bidirectional={bidirectional})"
+
+
 @dataclass
 class CheckedBias:
     """A validated ``attn_bias`` of any kind, as the kernels' BiasArgs describe it (common.cuh)."""

@@ -432,6 +432,24 @@ def empty(framework: str, shape: tuple[int, ...], dtype: Any, like: Any, stream:
     return arr, arr
 
 
+def scratch(framework: str, count: int, like: Any, stream: Any) -> tuple[Any, int]:
+    """``count`` float32 of scratch memory where ``like`` lives, for use on ``stream``, allocated as :func:`empty`
+    allocates: ``(owner, address)``, the owner to be kept until the work that uses it is queued."""
+    if framework == "torch":
+        import torch
+
+        if stream.torch_stream is None:
+            buffer = torch.empty(count, dtype=torch.float32, device=like.device)
+        else:
+            with torch.cuda.stream(stream.torch_stream):
+                buffer = torch.empty(count, dtype=torch.float32, device=like.device)
+        return buffer, buffer.data_ptr()
+    import cupy
+
+    arr = cupy.empty(count, dtype=np.float32)
+    return arr, arr.data.ptr
+
+
 def finish(framework: str, result: Any) -> Any:
     """Hand ``result`` (from :func:`empty`) back in the caller's framework."""
     if framework == "jax":
@@ -441,6 +459,7 @@ def finish(framework: str, result: Any) -> Any:
     return result
 
 
+@functools.cache
 def _torch_dtype(dtype: Any) -> Any:
     wanted = np.dtype(dtype)
     return next(t for t, d in _torch_numpy_dtypes().items() if d == wanted)

@@ -321,6 +321,8 @@ _POINTER_PARAMS = {
 }
 #: Operands the kernels read with unit last stride (a strided one is copied first).
 _UNIT_STRIDE = ("query", "block_tables", "seq_lens", "alibi_slopes", "attn_bias.offsets", "attn_bias.buckets")
+#: Operands the kernels read in 16-byte vectors: their address must be a multiple of 16 (_checks.check_cache).
+_VECTOR_LOADS = ("key_cache", "value_cache")
 
 
 class DecodePlan:
@@ -373,7 +375,7 @@ class DecodePlan:
         # What run() compares: the caller's torch / CuPy arrays as they are, other frameworks' once imported.
         self._native = framework in ("torch", "cupy")
         kind = framework if self._native else "cupy"
-        self._bias_type = type(attn_bias)
+        self._bias_geometry = _checks.bias_geometry(attn_bias)
         self._signatures = {
             name: _interop.signature(x if self._native else arr[name], kind)
             for name, x in named.items() if x is not None
@@ -417,19 +419,17 @@ class DecodePlan:
         self._out_strides: tuple[int, ...] = ()  # the out strides the packed arguments hold
         if self._launch.num_parts > 1 and own_workspace:
             self._workspace = self._new_workspace(like, stream)
-            self._point_at_workspace(self._workspace)
 
-    def _new_workspace(self, like: Any, stream: Any) -> tuple[Any, Any]:
-        """The split-K partials: acc [rows, head_size] and (m, l) [rows, 2], float32."""
+    def _new_workspace(self, like: Any, stream: Any) -> Any:
+        """The split-K partials, one float32 buffer: acc [rows, head_size], then (m, l) [rows, 2] (16-byte aligned:
+        every head size is a multiple of 4). Points the kernels at them; returns the buffer's owner."""
         num_seqs, num_heads, head_size = self._query.shape
         rows = num_seqs * num_heads * self._launch.num_parts
-        return (_interop.empty(self._framework, (rows, head_size), np.float32, like, stream)[1],
-                _interop.empty(self._framework, (rows, 2), np.float32, like, stream)[1])
-
-    def _point_at_workspace(self, workspace: tuple[Any, Any]) -> None:
+        owner, ptr = _interop.scratch(self._framework, rows * (head_size + 2), like, stream)
         for args in (self._args, self._reduce_args):
-            args.set_pointer("part_acc", _interop.data_ptr(workspace[0]))
-            args.set_pointer("part_ml", _interop.data_ptr(workspace[1]))
+            args.set_pointer("part_acc", ptr)
+            args.set_pointer("part_ml", ptr + 4 * rows * head_size)
+        return owner
 
     @property
     def launch(self) -> DecodeLaunch:
@@ -457,22 +457,16 @@ class DecodePlan:
         Raises ValueError naming the first argument that does not match; TypeError for ``out`` with JAX arrays.
         """
         named = _operands(query, key_cache, value_cache, block_tables, seq_lens, attn_bias, alibi_slopes)
-        if type(attn_bias) is not self._bias_type:
-            raise ValueError(f"attn_bias: the plan was built for a bias of type {self._bias_type.__name__}, got "
-                             f"{type(attn_bias).__name__}")
+        geometry = _checks.bias_geometry(attn_bias)
+        if geometry != self._bias_geometry:
+            raise ValueError(f"attn_bias: the plan was built for a bias of kind "
+                             f"{_checks.describe_bias_geometry(self._bias_geometry)}, got "
+                             f"{_checks.describe_bias_geometry(geometry)}")
         if (alibi_slopes is None) != ("alibi_slopes" not in self._signatures):
             raise ValueError("alibi_slopes: expected " + ("an array" if alibi_slopes is None else "None") +
                              " like the plan's")
         if self._native:
-            if _interop.current_device() != self._device:  # a launch goes to the current device's context
-                with _interop.on_device(self._device):
-                    return self.run(query, key_cache, value_cache, block_tables, seq_lens, attn_bias=attn_bias,
-                                    alibi_slopes=alibi_slopes, out=out, stream=stream)
-            launch_stream = _interop.resolve_stream(stream, self._framework, self._device)
-            copies = self._point_at(named, self._framework, launch_stream)
-            result = self._launch_into(out, query, launch_stream)
-            del copies  # queued: the stream-ordered pool may reuse them
-            return result
+            return self._run_native(named, out, query, stream)
         if out is not None:  # the slow path imports the operands (JAX, DLPack producers): out= is not written there
             raise TypeError("out: JAX arrays are immutable; call without out= and use the returned array")
         with _interop.launch_context(self._framework, self._device, stream) as launch_stream:
@@ -482,24 +476,55 @@ class DecodePlan:
             del copies
             return result
 
-    def _point_at(self, arrays: dict[str, Any], kind: str, launch_stream: Any) -> list[Any]:
-        """Check each operand (torch or CuPy arrays, per ``kind``) against the plan and point the kernel at it.
-        An operand with a strided last dimension is copied on the launch stream; returns the copies, which the caller
-        keeps until the launch is queued."""
+    def _run_native(self, named: dict[str, Any], out: Any, like: Any, stream: Any,
+                    signatures: dict[str, tuple[Any, ...]] | None = None) -> Any:
+        """:meth:`run` for the plan's torch or CuPy arrays (``named`` as :func:`_operands` names them). With
+        ``signatures`` (theirs, which the caller has matched to the plan's: paged_attention's key) they are not
+        compared again."""
+        if _interop.current_device() != self._device:  # a launch goes to the current device's context
+            with _interop.on_device(self._device):
+                return self._run_native(named, out, like, stream, signatures)
+        launch_stream = _interop.resolve_stream(stream, self._framework, self._device)
+        if stream is not None and self._framework == "cupy":
+            # CuPy allocates (the result, a call's workspace, copies) from the current stream's pool: the given
+            # stream is made current, so that nothing freed here goes to other work before the launch has run.
+            with launch_stream:
+                return self._launch_native(named, out, like, launch_stream, signatures)
+        return self._launch_native(named, out, like, launch_stream, signatures)
+
+    def _launch_native(self, named: dict[str, Any], out: Any, like: Any, launch_stream: Any,
+                       signatures: dict[str, tuple[Any, ...]] | None) -> Any:
+        copies = self._point_at(named, self._framework, launch_stream, signatures)
+        result = self._launch_into(out, like, launch_stream)
+        del copies  # queued: the stream-ordered pool may reuse them
+        return result
+
+    def _point_at(self, arrays: dict[str, Any], kind: str, launch_stream: Any,
+                  signatures: dict[str, tuple[Any, ...]] | None = None) -> list[Any]:
+        """Check each operand (torch or CuPy arrays, per ``kind``) against the plan, unless ``signatures`` holds
+        theirs already matched, and point the kernel at it. An operand with a strided last dimension is copied on
+        the launch stream; returns the copies, which the caller keeps until the launch is queued."""
         copies = []
         slots, index = self._args.slots, self._args.index
         for name, x in arrays.items():
             if x is None:
                 continue
-            sig = _interop.signature(x, kind)
-            if sig != self._signatures[name]:
-                raise ValueError(f"{name}: the plan was built for {_interop.describe_signature(self._signatures[name])}"
-                                 f", got {_interop.describe_signature(sig)}")
+            if signatures is None:
+                sig = _interop.signature(x, kind)
+                if sig != self._signatures[name]:
+                    raise ValueError(f"{name}: the plan was built for "
+                                     f"{_interop.describe_signature(self._signatures[name])}, got "
+                                     f"{_interop.describe_signature(sig)}")
+            else:
+                sig = signatures[name]
             if name in _UNIT_STRIDE and sig[2] and sig[2][-1] != 1:
                 with _interop.stream_current(kind, launch_stream):
                     x = _interop.native_contiguous(x, kind)
                 copies.append(x)
-            slots[index[_POINTER_PARAMS[name]]] = _interop.native_pointer(x, kind)
+            ptr = _interop.native_pointer(x, kind)
+            if name in _VECTOR_LOADS and ptr % 16:  # the one check of an address: the same shape may sit anywhere
+                raise ValueError(f"{name}: data must be 16-byte aligned")
+            slots[index[_POINTER_PARAMS[name]]] = ptr
         return copies
 
     def _point_at_problem(self, problem: _checks.DecodeProblem) -> list[Any]:
@@ -527,11 +552,17 @@ class DecodePlan:
         elif self._framework in ("torch", "cupy"):
             result, out_arr = out, out
             kind = self._framework
-            sig = _interop.signature(out, kind)
-            if sig[0] != self._out_dtype or sig[1] != q.shape or sig[2][-1:] not in ((1,), ()) \
+            try:
+                sig = _interop.signature(out, kind)
+            except AttributeError:  # not an array of the plan's framework
+                sig = None
+            if sig is None or sig[0] != self._out_dtype or sig[1] != q.shape or sig[2][-1:] not in ((1,), ()) \
                     or sig[3] != self._device:
+                if _interop.framework_of("out", out) != kind:
+                    raise TypeError(f"out: expected a {kind} array like query, got {type(out).__name__}")
                 _checks.check_out(_interop.wrap("out", out, kind).array, q)  # names what is wrong
-                raise ValueError(f"out: expected an array on device {self._device} like query, got device {sig[3]}")
+                raise ValueError(f"out: expected an array on device {self._device} like query, got device "
+                                 f"{sig[3] if sig else None}")
         else:
             result, out_arr = out, _interop.wrap("out", out, self._framework).array
             _checks.check_out(out_arr, q)
@@ -540,7 +571,6 @@ class DecodePlan:
         workspace = None  # a call's own split-K workspace, alive until the launch is queued
         if self._launch.num_parts > 1 and not self._owns_workspace:
             workspace = self._new_workspace(like, launch_stream)
-            self._point_at_workspace(workspace)
         if out_arr is out:
             out_ptr, out_strides = _interop.native_pointer(out, self._framework), sig[2]
         else:
@@ -563,24 +593,56 @@ class DecodePlan:
             else:
                 self._reduce_args.launch(self._reduce_function, launch.reduce_grid, launch.reduce_threads, 0,
                                          launch_stream.ptr)
+        del workspace  # queued: the stream-ordered pool may reuse it
         return _interop.finish(self._framework, result)
 
 
-# paged_attention's plans, per thread (a plan's packed arguments are written by each call) and per stream (its
-# workspace is then used in stream order), keyed by everything a plan fixes.
+# paged_attention's plans, per thread (a plan's packed arguments are written by each call). A plan of a call with
+# torch or CuPy arrays is keyed by everything that decides it and its checks: the operands' types and signatures
+# (dtype, shape, strides in elements, device), scale, kv_layout, the bias's kind and geometry, the device's SMs and
+# this module's launch switches. A call whose key is there skips the checks: the call that made the plan passed
+# them with the same key, and none of them reads data or addresses but the caches' alignment, which _point_at
+# checks on every call. Other frameworks' plans (JAX, DLPack producers) are keyed by the checked problem. The plans
+# hold no device memory: a call's split-K workspace is its own, allocated on its stream.
 _PLANS = threading.local()
 _MAX_PLANS_PER_THREAD = 64
+_NATIVE = {"torch": "torch", "cupy": "cupy"}  # the top-level module of an operand's type -> signature's kind
 
 
-def _cached_plan(problem: _checks.DecodeProblem, framework: str, device: int, like: Any,
-                 stream: Any) -> DecodePlan:
+def _plan_key(named: dict[str, Any], scale: Any, kv_layout: Any,
+              attn_bias: Any) -> tuple[tuple[Any, ...], dict[str, tuple[Any, ...]]] | None:
+    """paged_attention's key for operands ``named`` (as :func:`_operands` names them) of torch or CuPy, and their
+    signatures; None for other frameworks, or operands that a signature cannot read (the checks then name them)."""
+    kind = _NATIVE.get(type(named["query"]).__module__.partition(".")[0])
+    if kind is None:
+        return None
+    try:
+        signatures = {name: _interop.signature(x, kind) for name, x in named.items() if x is not None}
+        device = signatures["query"][3]
+        if device < 0:  # a torch tensor on the CPU
+            return None
+        key = (kind, tuple([type(x) for x in named.values()]), tuple(signatures.values()), type(scale), scale,
+               kv_layout, _checks.bias_geometry(attn_bias), _num_sms(device), TENSOR_CORE_MIN_GROUP,
+               DEPENDENT_REDUCE, DEPENDENT_ATTENTION)
+        hash(key)
+    except (AttributeError, TypeError):  # not an array of the query's framework; an unhashable scale or layout
+        return None
+    return key, signatures
+
+
+def _problem_key(problem: _checks.DecodeProblem, framework: str, device: int) -> tuple[Any, ...]:
+    """The key of a checked problem's plan: everything a plan fixes."""
     p, b = problem, problem.bias
-    key = (
-        framework, device, _num_sms(device), TENSOR_CORE_MIN_GROUP, stream.ptr,
+    return (
+        framework, device, _num_sms(device), TENSOR_CORE_MIN_GROUP, DEPENDENT_REDUCE, DEPENDENT_ATTENTION,
         p.dtype, p.head_size, p.kv_layout, p.num_seqs, p.num_heads, p.num_kv_heads,
         p.max_len, p.scale, _kernel_strides(p.query), _kernel_strides(p.block_tables), dataclasses.astuple(p.cache),
         b.mode, b.strides, b.dtype, b.n, b.m, p.alibi_slopes is None,
     )
+
+
+def _cached_plan(key: tuple[Any, ...], problem: _checks.DecodeProblem, framework: str, device: int, like: Any,
+                 stream: Any) -> DecodePlan:
     plans = _PLANS.__dict__.setdefault("plans", {})
     plan = plans.get(key)
     if plan is None:
@@ -723,8 +785,18 @@ def paged_attention(
     entry outside its range is clamped to ``[0, max_len]``, a key whose block id lies outside the cache is
     skipped, and a sequence whose RaggedBias rows lie outside ``values`` is cut short, so no input can make the
     kernel read or write out of bounds.
+
+    Calls are planned once per thread and set of operand signatures (dtype, shape, strides, device of each array)
+    and other arguments: a repeated call with torch or CuPy arrays runs the cached :class:`DecodePlan` without
+    checking its arguments again (a different signature is checked in full, as on a first call).
     """
-    named = {**_operands(query, key_cache, value_cache, block_tables, seq_lens, attn_bias, alibi_slopes), "out": out}
+    operands = _operands(query, key_cache, value_cache, block_tables, seq_lens, attn_bias, alibi_slopes)
+    keyed = _plan_key(operands, scale, kv_layout, attn_bias)
+    if keyed is not None and not validate:
+        plan = _PLANS.__dict__.get("plans", {}).get(keyed[0])
+        if plan is not None:
+            return plan._run_native(operands, out, query, stream, keyed[1])
+    named = {**operands, "out": out}
     framework = _interop.call_framework(named, ("attn_bias", "alibi_slopes", "out"), stream=stream, out=out)
     if framework == "numpy":
         result = reference.paged_attention_ref(
@@ -747,7 +819,8 @@ def paged_attention(
             result = out if out is not None else _interop.empty(framework, (0, *problem.query.shape[1:]),
                                                                  problem.query.dtype, query, launch_stream)[0]
             return _interop.finish(framework, result)
-        plan = _cached_plan(problem, framework, device, query, launch_stream)
+        key = keyed[0] if keyed is not None else _problem_key(problem, framework, device)
+        plan = _cached_plan(key, problem, framework, device, query, launch_stream)
         copies = plan._point_at_problem(problem)
         result = plan._launch_into(out, query, launch_stream)
         del copies  # queued: the stream-ordered pool may reuse them

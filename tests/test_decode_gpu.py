@@ -431,14 +431,107 @@ def test_plan_rejects_what_it_was_not_built_for(rng):
         plan.run(args[0][:1], *args[1:], **run)
     with pytest.raises(ValueError, match=r"block_tables: the plan was built for .* got dtype float32"):
         plan.run(*args[:3], args[3].astype(cupy.float32), args[4], **run)
-    with pytest.raises(ValueError, match=r"attn_bias: the plan was built for a bias of type ndarray, got NoneType"):
+    with pytest.raises(ValueError, match=r"attn_bias: the plan was built for a bias of kind ndarray, got NoneType"):
         plan.run(*args, alibi_slopes=run["alibi_slopes"])
     with pytest.raises(ValueError, match=r"alibi_slopes: expected an array like the plan's"):
         plan.run(*args, attn_bias=run["attn_bias"])
     with pytest.raises(ValueError, match=r"out: expected shape"):
         plan.run(*args, **run, out=cupy.empty((2, 4, 32), cupy.float32))
+    with pytest.raises(TypeError, match=r"out: expected a cupy array like query, got ndarray"):
+        plan.run(*args, **run, out=np.empty((2, 4, 64), np.float32))
+    with pytest.raises(ValueError, match=r"key_cache: data must be 16-byte aligned"):
+        plan.run(args[0], misaligned(args[1]), *args[2:], **run)
     with pytest.raises(TypeError, match=r"query: a DecodePlan launches GPU kernels"):
         cpa.DecodePlan(*p.args(), **p.kwargs())
+
+
+def misaligned(arr):
+    """A CuPy array of ``arr``'s dtype, shape, strides and values whose data starts 4 bytes past a 16-byte boundary:
+    what a plan's signature (dtype, shape, strides, device) cannot tell from an aligned one."""
+    import cupy
+
+    assert arr.flags.c_contiguous
+    base = cupy.empty(arr.nbytes + 16, cupy.uint8)
+    start = (4 - base.data.ptr % 16) % 16
+    base[start:start + arr.nbytes] = arr.view(cupy.uint8).ravel()
+    view = cupy.ndarray(arr.shape, arr.dtype, base.data + start, arr.strides)
+    assert view.data.ptr % 16 == 4
+    return view
+
+
+def test_plan_fixes_the_t5_geometry(rng):
+    """A RelativePositionBias of another geometry over a table of the same shape (its bucket array alike) is
+    refused by a plan, not run with the plan's buckets per side; paged_attention plans it anew."""
+    p = make_problem(rng, [300, 7], num_heads=4, num_kv_heads=4, dtype="f16", bias="t5-causal", bias_dtype="f16")
+    args, kwargs = device_args(p, to_cupy)
+    plan = cpa.DecodePlan(*args, **kwargs)
+    table = kwargs["attn_bias"].table
+    bidir = cpa.RelativePositionBias(table, num_buckets=32, max_distance=128, bidirectional=True)
+    assert bidir.buckets.shape == kwargs["attn_bias"].buckets.shape
+    with pytest.raises(ValueError, match=r"attn_bias: the plan was built for a bias of kind RelativePositionBias\("
+                                         r"num_buckets=32, max_distance=128, bidirectional=False\), got "
+                                         r"RelativePositionBias\(num_buckets=32, max_distance=128, "
+                                         r"bidirectional=True\)"):
+        plan.run(*args, attn_bias=bidir)
+    for bias in (kwargs["attn_bias"], bidir, kwargs["attn_bias"]):
+        host = cpa.RelativePositionBias(p.kwargs()["attn_bias"].table, num_buckets=32, max_distance=128,
+                                        bidirectional=bias.bidirectional)
+        expected = paged_attention_ref(*p.args(), **{**p.kwargs(), "attn_bias": host})
+        assert_close(to_numpy(cpa.paged_attention(*args, **{**kwargs, "attn_bias": bias})), expected, "f16",
+                     f"bidirectional={bias.bidirectional}")
+
+
+@pytest.mark.parametrize("framework", ["torch", "cupy"])
+def test_paged_attention_reuses_its_plan_and_still_checks(rng, framework):
+    """Repeated paged_attention calls with torch or CuPy arrays of the same signatures take the plan of the first
+    (no checks run again: the host cost of a call drops ~5x) and give each call's own answer; what the signatures
+    cannot show is still refused (a cache 4 bytes off alignment), and any other change of shape, dtype or argument
+    is checked in full, as on a first call."""
+    import cupy
+
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        convert = to_torch
+    else:
+        convert = to_cupy
+    decode._PLANS.__dict__.pop("plans", None)
+    shape = dict(num_heads=8, num_kv_heads=2, head_size=64, dtype="bf16", bias="dense", bias_dtype="f32",
+                 alibi=True, spare_blocks=1, extra_table_cols=0)
+    for i in range(3):
+        p = make_problem(rng, [300, 17, 1], **shape)
+        args, kwargs = device_args(p, convert)
+        assert_close(to_numpy(cpa.paged_attention(*args, **kwargs)), paged_attention_ref(*p.args(), **p.kwargs()),
+                     "bf16", f"call {i}")
+        assert len(decode._PLANS.plans) == 1
+    out = convert(np.full(p.query.shape, np.nan, p.query.dtype))
+    assert cpa.paged_attention(*args, **kwargs, out=out) is out
+    assert_close(to_numpy(out), paged_attention_ref(*p.args(), **p.kwargs()), "bf16", "out=")
+    assert len(decode._PLANS.plans) == 1
+
+    if framework == "cupy":
+        with pytest.raises(ValueError, match=r"value_cache: data must be 16-byte aligned"):
+            cpa.paged_attention(*args[:2], misaligned(args[2]), *args[3:], **kwargs)
+        with pytest.raises(TypeError, match=r"out: expected a cupy array like query, got Tensor"):
+            cpa.paged_attention(*args, **kwargs, out=pytest.importorskip("torch").empty(3))
+    else:
+        with pytest.raises(TypeError, match=r"out: expected a torch array like query, got ndarray"):
+            cpa.paged_attention(*args, **kwargs, out=np.empty(p.query.shape, np.float32))
+        bad = torch.zeros(args[1].numel() + 8, dtype=args[1].dtype, device="cuda")
+        view = bad.as_strided(args[1].shape, args[1].stride(), 2)  # 4 bytes in
+        view.copy_(args[1])
+        with pytest.raises(ValueError, match=r"key_cache: data must be 16-byte aligned"):
+            cpa.paged_attention(args[0], view, *args[2:], **kwargs)
+    with pytest.raises(ValueError, match=r"block_tables: expected dtype int32"):
+        cpa.paged_attention(*args[:3], args[3][:, :] * 1.0, args[4], **kwargs)
+    with pytest.raises(TypeError, match=r"scale: expected None or a finite real number, got bool"):
+        cpa.paged_attention(*args, **{**kwargs, "scale": True})
+    cpa.paged_attention(*args, **{**kwargs, "scale": 1})
+    with pytest.raises(TypeError, match=r"scale: expected None or a finite real number, got bool"):
+        cpa.paged_attention(*args, **{**kwargs, "scale": True})  # equal to 1 and of its hash, yet checked
+    with pytest.raises(ValueError, match=r"seq_lens: sequence 0 has length"):
+        lens = args[4] * 0 + 10**6
+        cpa.paged_attention(*args[:4], lens, **kwargs, validate=True)
+    cupy.cuda.Device().synchronize()
 
 
 def test_plan_strided_operands_and_graph(rng):
