@@ -18,8 +18,12 @@ graphs over ``--sets`` input sets, median of ``--reps``), each printing a table:
 ``split``
     The ragged-length MHA case (B64 H16/16 d64 L 1024-2048) and the B64 L2048 case with the keys split into 1-4
     partitions (``decode._CTAS_PER_SM_TARGET``) and split grids capped at 3 or 4 CTAs per SM.
+``gqa-split``
+    The grouped-query cases of the tensor-core kernel (B32 H32/8 d128 L8192, B16 H32/8 d128 L16384 fp16) with their
+    keys forced into a given number of partitions (``decode.split_keys`` replaced): B32's 256 CTAs run unsplit, two
+    per SM on most SMs where three fit.
 
-Run on a GPU machine: ``PYTHONPATH=. python3 benchmarks/decode_probe.py [floor] [bias-layout] [split]``.
+Run on a GPU machine: ``PYTHONPATH=. python3 benchmarks/decode_probe.py [floor] [bias-layout] [split] [gqa-split]``.
 """
 
 from __future__ import annotations
@@ -416,7 +420,42 @@ def split(args: argparse.Namespace, timer: bd.Timer) -> list[tuple[str, str, flo
     return table
 
 
-PROBES = {"floor": floor, "bias-layout": bias_layout, "split": split}
+GQA_SPLIT_CASES = {3: (1, 2, 3, 4, 6), 5: (3, 6, 9)}  # case -> partitions
+
+
+def gqa_split(args: argparse.Namespace, timer: bd.Timer) -> list[tuple[str, str, float]]:
+    from cupy_paged_attn import decode
+
+    saved = decode.split_keys
+
+    def forced(parts: int) -> Callable[..., tuple[int, int]]:
+        def split_keys(ctas: int, max_len: int, num_sms: int, tile: int,
+                       resident: int | None = None) -> tuple[int, int]:
+            per_part = -(-max_len // parts)
+            tokens = max(tile, -(-per_part // tile) * tile)
+            return tokens, max(1, -(-max_len // tokens))
+        return split_keys
+
+    table = []
+    try:
+        for index, part_counts in GQA_SPLIT_CASES.items():
+            case, sets = build(index, args)
+            for parts in (0, *part_counts):
+                decode.split_keys = saved if parts == 0 else forced(parts)
+                decode._PLANS.__dict__.pop("plans", None)  # plans are keyed by shapes, not by the split
+                rows = ours_rows(timer, case, sets, {"none": lambda s: None, "dense": lambda s: s.bias})
+                plan = next(iter(decode._PLANS.plans.values()))
+                label = (f"{plan.launch.num_parts} parts, {plan.launch.grid[0] * plan.launch.grid[2]} CTAs"
+                         + (" (the plan's own)" if parts == 0 else ""))
+                table += [(case.name, f"{name:5s} {label}", us) for name, us in rows]
+            del sets
+    finally:
+        decode.split_keys = saved
+        decode._PLANS.__dict__.pop("plans", None)
+    return table
+
+
+PROBES = {"floor": floor, "bias-layout": bias_layout, "split": split, "gqa-split": gqa_split}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,6 +5,7 @@ and JAX; streams and CUDA graphs; hostile device data.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -172,6 +173,25 @@ def test_bias_dtypes(rng, split, q_dtype, bias_dtype):
     p = make_problem(rng, [40, 7, 300], num_heads=8, num_kv_heads=4, dtype=q_dtype, bias="dense",
                      bias_dtype=bias_dtype)
     assert_close(run_cupy(p), paged_attention_ref(*p.args(), **p.kwargs()), q_dtype)
+
+
+@pytest.mark.parametrize("bias_dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("offset", [0, 1], ids=["rows-aligned", "rows-offset"])
+def test_tensor_core_dense_bias_row_alignments(rng, split, bias_dtype, offset):
+    """The tensor-core decode kernel with dense bias rows of every alignment: of even length L from element 0 (every
+    row on a multiple of two elements), of odd length (every other row) and one element into their storage."""
+    lens = [700, 129, 64, 3]
+    p = make_problem(rng, lens, num_heads=8, num_kv_heads=2, head_size=64, dtype="bf16", bias="dense",
+                     bias_dtype=bias_dtype)
+    for length in (p.attn_bias.shape[2], p.attn_bias.shape[2] + 1):  # odd (700 + 5), even
+        store = rng.standard_normal((len(lens), 8, length + offset)).astype(DTYPES[bias_dtype])
+        bias = store[:, :, offset:]
+        for s, n in enumerate(lens):
+            bias[s, :, n:] = np.nan  # past each sequence: never read
+        q = dataclasses.replace(p, attn_bias=bias)
+        args, kwargs = device_args(q, to_cupy)
+        assert cpa.DecodePlan(*args, **kwargs).launch.tensor_cores
+        assert_close(run_cupy(q), paged_attention_ref(*q.args(), **q.kwargs()), "bf16", f"L={length}")
 
 
 def test_long_context_split(rng):
