@@ -138,6 +138,9 @@ def wrap(name: str, x: Any, framework: str) -> Operand:
         arr = _jax_to_cupy(name, x)
     elif framework == "cupy":
         arr = x
+        if not whole_elements(arr):  # the kernels step through arrays in whole elements
+            raise ValueError(f"{name}: strides must be whole elements ({arr.itemsize} bytes), got {arr.strides} "
+                             "bytes")
     else:
         import cupy
 
@@ -262,18 +265,29 @@ def unit_last_stride(arr: Any) -> Any:
 # ---------------------------------------------------------------------------------------------------------------
 # The fast path of a plan: torch and CuPy arrays read as they are, no wrapping
 # ---------------------------------------------------------------------------------------------------------------
+def whole_elements(x: Any) -> bool:
+    """Whether a CuPy array's byte strides are whole elements (where a dimension has more than one)."""
+    return not any(st % x.itemsize for st, n in zip(x.strides, x.shape, strict=True) if n > 1)
+
+
 def signature(x: Any, kind: str) -> tuple[Any, ...]:
     """``(dtype, shape, strides in elements, device)`` of a torch (``kind="torch"``) or CuPy array: what a plan
     compares on every run, read in a few hundred nanoseconds."""
     if kind == "torch":
         return (x.dtype, tuple(x.shape), x.stride(), x.get_device())
     size = x.itemsize
-    return (x.dtype, x.shape, tuple(s // size for s in x.strides), x.device.id)
+    strides = tuple(s // size for s in x.strides)
+    if any(s % size for s in x.strides) and not whole_elements(x):  # like no array the checks let through
+        strides = ("bytes", *x.strides)
+    return (x.dtype, x.shape, strides, x.device.id)
 
 
 def describe_signature(sig: tuple[Any, ...]) -> str:
     dtype, shape, strides, device = sig
-    return f"dtype {dtype}, shape {tuple(shape)}, strides {tuple(strides)} (elements) on device {device}"
+    unit = "elements"
+    if strides[:1] == ("bytes",):
+        strides, unit = strides[1:], "bytes, not whole elements"
+    return f"dtype {dtype}, shape {tuple(shape)}, strides {tuple(strides)} ({unit}) on device {device}"
 
 
 def native_pointer(x: Any, kind: str) -> int:

@@ -461,6 +461,13 @@ def test_plan_rejects_what_it_was_not_built_for(rng):
         plan.run(*args, **run, out=np.empty((2, 4, 64), np.float32))
     with pytest.raises(ValueError, match=r"key_cache: data must be 16-byte aligned"):
         plan.run(args[0], misaligned(args[1]), *args[2:], **run)
+    # seq_lens 6 bytes apart: floored to whole elements it would read like the plan's (1,), wrongly
+    odd = cupy.ndarray((2,), cupy.int32, cupy.asarray([40, 0, 5, 0], cupy.int32).data, strides=(6,))
+    with pytest.raises(ValueError, match=r"seq_lens: the plan was built for .* got dtype int32, shape \(2,\), "
+                                         r"strides \(6,\) \(bytes, not whole elements\)"):
+        plan.run(*args[:4], odd, **run)
+    with pytest.raises(ValueError, match=r"seq_lens: strides must be whole elements \(4 bytes\), got \(6,\) bytes"):
+        cpa.paged_attention(*args[:4], odd, **kwargs)
     with pytest.raises(TypeError, match=r"query: a DecodePlan launches GPU kernels"):
         cpa.DecodePlan(*p.args(), **p.kwargs())
 
