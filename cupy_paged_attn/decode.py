@@ -331,8 +331,8 @@ class DecodePlan:
     The constructor takes example arrays (the arguments of :func:`paged_attention`), checks them as
     :func:`paged_attention` does, compiles or fetches the kernel, chooses the split and allocates the split-K
     workspace. :meth:`run` then takes arrays of the same dtypes, shapes, strides and device (any data, any
-    addresses), compares those cheaply and launches: no allocation (with ``out=``), no host synchronisation, no read
-    of device data. :func:`paged_attention` is this class used once.
+    addresses, the caches' 16-byte aligned), compares those cheaply and launches: no allocation (with ``out=``), no
+    host synchronisation, no read of device data. :func:`paged_attention` is this class used once.
 
     A plan owns one workspace: run it on one stream at a time (one plan per stream or thread). CUDA-graph capture
     of :meth:`run` works (build the plan before the capture). PyTorch and CuPy arrays take the fast path; JAX arrays
@@ -452,9 +452,10 @@ class DecodePlan:
         """Attention for arrays like the plan's; returns ``out``, or a new array in the query's framework.
 
         Each array must match the one the plan was built from in dtype, shape, strides and device; ``attn_bias``
-        must be of the same kind (its arrays matching likewise) and ``alibi_slopes`` given iff it was. ``out`` is
-        like ``query`` (last dimension contiguous, other strides free). ``stream`` as in :func:`paged_attention`.
-        Raises ValueError naming the first argument that does not match; TypeError for ``out`` with JAX arrays.
+        must be of the same kind and geometry (its arrays matching likewise) and ``alibi_slopes`` given iff it was.
+        ``out`` is like ``query`` (last dimension contiguous, other strides free). ``stream`` as in
+        :func:`paged_attention`. Raises ValueError naming the first argument that does not match (or a cache not
+        16-byte aligned); TypeError for ``out`` with JAX arrays or of another framework.
         """
         named = _operands(query, key_cache, value_cache, block_tables, seq_lens, attn_bias, alibi_slopes)
         geometry = _checks.bias_geometry(attn_bias)

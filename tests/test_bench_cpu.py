@@ -208,3 +208,25 @@ def test_decode_probe_command_line_without_a_gpu():
     if importlib.util.find_spec("torch") is None:
         result = run_script("floor", script=script)
         assert result.returncode == 2 and "no CUDA device" in result.stderr
+
+
+def test_host_ab_loads_each_tree_apart(tmp_path):
+    """benchmarks/host_ab.py gives each source tree its own modules, whose functions keep using their own tree."""
+    import shutil
+
+    shutil.copytree(REPO_ROOT / "cupy_paged_attn", tmp_path / "b" / "cupy_paged_attn")
+    code = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO_ROOT / 'benchmarks')!r})\n"
+        "import host_ab\n"
+        f"a = host_ab.load_tree({str(REPO_ROOT)!r})\n"
+        f"b = host_ab.load_tree({str(tmp_path / 'b')!r})\n"
+        "assert a is not b and a.decode is not b.decode\n"
+        f"assert a.decode.__file__.startswith({str(REPO_ROOT)!r}), a.decode.__file__\n"
+        f"assert b.decode.__file__.startswith({str(tmp_path / 'b')!r}), b.decode.__file__\n"
+        "assert a.decode._interop is not b.decode._interop and b.decode._interop.__file__.startswith("
+        f"{str(tmp_path / 'b')!r})\n"
+        "print('two trees')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "two trees" in result.stdout, result.stderr
