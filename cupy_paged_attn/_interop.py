@@ -274,7 +274,7 @@ def signature(x: Any, kind: str) -> tuple[Any, ...]:
     """``(dtype, shape, strides in elements, device)`` of a torch (``kind="torch"``) or CuPy array: what a plan
     compares on every run, read in a few hundred nanoseconds."""
     if kind == "torch":
-        return (x.dtype, tuple(x.shape), x.stride(), x.get_device())
+        return (x.dtype, x.shape, x.stride(), x.get_device())  # torch.Size: a tuple
     size = x.itemsize
     strides = tuple(s // size for s in x.strides)
     if any(s % size for s in x.strides) and not whole_elements(x):  # like no array the checks let through

@@ -409,6 +409,9 @@ class DecodePlan:
             self._function, self._reduce_function = kernel.kernel.ptr, reduce_kernel.kernel.ptr
         self._args = _PackedArgs(_kernel_arguments(problem, launch))
         self._reduce_args = _PackedArgs(_reduce_arguments(problem, self._launch))
+        # Per operand: its argument slot, and whether it needs unit last stride / 16-byte alignment (_point_at).
+        self._operand_slots = {name: (self._args.index[param], name in _UNIT_STRIDE, name in _VECTOR_LOADS)
+                               for name, param in _POINTER_PARAMS.items()}
         dependent = launch.num_parts > 1 and _has_dependent_launch(device)  # only a split launch has a reduction
         self._dependent_reduce = (_DependentLaunch(self._reduce_function, launch.reduce_grid, launch.reduce_threads,
                                                    self._reduce_args) if dependent and DEPENDENT_REDUCE else None)
@@ -506,10 +509,11 @@ class DecodePlan:
         theirs already matched, and point the kernel at it. An operand with a strided last dimension is copied on
         the launch stream; returns the copies, which the caller keeps until the launch is queued."""
         copies = []
-        slots, index = self._args.slots, self._args.index
+        slots, operand_slots = self._args.slots, self._operand_slots
         for name, x in arrays.items():
             if x is None:
                 continue
+            slot, unit_stride, vector_loads = operand_slots[name]
             if signatures is None:
                 sig = _interop.signature(x, kind)
                 if sig != self._signatures[name]:
@@ -518,14 +522,14 @@ class DecodePlan:
                                      f"{_interop.describe_signature(sig)}")
             else:
                 sig = signatures[name]
-            if name in _UNIT_STRIDE and sig[2] and sig[2][-1] != 1:
+            if unit_stride and sig[2] and sig[2][-1] != 1:
                 with _interop.stream_current(kind, launch_stream):
                     x = _interop.native_contiguous(x, kind)
                 copies.append(x)
             ptr = _interop.native_pointer(x, kind)
-            if name in _VECTOR_LOADS and ptr % 16:  # the one check of an address: the same shape may sit anywhere
+            if vector_loads and ptr % 16:  # the one check of an address: the same shape may sit anywhere
                 raise ValueError(f"{name}: data must be 16-byte aligned")
-            slots[index[_POINTER_PARAMS[name]]] = ptr
+            slots[slot] = ptr
         return copies
 
     def _point_at_problem(self, problem: _checks.DecodeProblem) -> list[Any]:
