@@ -143,11 +143,16 @@ def check_caches(key_cache: Any, value_cache: Any, kv_layout: str, dtype: Any, h
             raise ValueError(
                 f"{name}: page stride must be >= {page} elements and a multiple of {x}, got {strides[0]}"
             )
-        if _interop.data_ptr(cache) % 16:
-            raise ValueError(f"{name}: data must be 16-byte aligned")
+        check_aligned(name, _interop.data_ptr(cache))
     if num_blocks > 1 and k_strides[0] != v_strides[0]:
         raise ValueError(f"value_cache: expected the page stride of key_cache ({k_strides[0]}), got {v_strides[0]}")
     return CacheGeometry(num_blocks, block_size, num_kv_heads, d, k_strides[0] if num_blocks > 1 else page)
+
+
+def check_aligned(name: str, ptr: int) -> None:
+    """A cache's address: the kernels copy it in 16-byte vectors."""
+    if ptr % 16:
+        raise ValueError(f"{name}: data must be 16-byte aligned")
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -321,7 +321,7 @@ _POINTER_PARAMS = {
 }
 #: Operands the kernels read with unit last stride (a strided one is copied first).
 _UNIT_STRIDE = ("query", "block_tables", "seq_lens", "alibi_slopes", "attn_bias.offsets", "attn_bias.buckets")
-#: Operands the kernels read in 16-byte vectors: their address must be a multiple of 16 (_checks.check_cache).
+#: Operands the kernels read in 16-byte vectors: their address must be a multiple of 16 (_checks.check_aligned).
 _VECTOR_LOADS = ("key_cache", "value_cache")
 
 
@@ -528,7 +528,7 @@ class DecodePlan:
                 copies.append(x)
             ptr = _interop.native_pointer(x, kind)
             if vector_loads and ptr % 16:  # the one check of an address: the same shape may sit anywhere
-                raise ValueError(f"{name}: data must be 16-byte aligned")
+                _checks.check_aligned(name, ptr)
             slots[slot] = ptr
         return copies
 
