@@ -17,12 +17,11 @@ import importlib
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from host_overhead import latency_case
+from host_overhead import host_times, latency_case
 
 
 def load_tree(path: str) -> ModuleType:
@@ -50,23 +49,6 @@ def calls_of(cpa: ModuleType, case: dict[str, Any]) -> dict[str, Callable[[], An
     }
 
 
-def median_us(call: Callable[[], Any], calls: int) -> float:
-    import torch
-
-    for _ in range(50):
-        call()
-    torch.cuda.synchronize()
-    times = []
-    for i in range(calls):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-        if i % 200 == 199:
-            torch.cuda.synchronize()  # keep the launch queue short
-    torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trees", nargs=2, help="two folders, each holding a cupy_paged_attn package")
@@ -82,7 +64,7 @@ def main() -> None:
     medians: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(args.rounds):
         for name, call in calls.items():
-            medians[name].append(median_us(call, args.calls))
+            medians[name].append(statistics.median(host_times(call, args.calls)) * 1e6)
     width = max(map(len, calls))
     print(f"host time per call, µs, median of {args.calls} calls in each of {args.rounds} interleaved rounds")
     for name, values in medians.items():

@@ -13,6 +13,7 @@ import cProfile
 import pstats
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -31,6 +32,25 @@ def latency_case(heads: int = 16, kv_heads: int = 16) -> dict[str, Any]:
         "seq_lens": torch.full((batch,), length, device="cuda", dtype=torch.int32),
         "bias": torch.randn(batch, heads, length, device="cuda", dtype=torch.bfloat16), "out": torch.empty_like(q),
     }
+
+
+def host_times(call: Callable[[], Any], calls: int) -> list[float]:
+    """Seconds on the host of each of ``calls`` calls of ``call`` (after 50 warm-up calls), with no synchronisation
+    inside a call; the GPU is synchronised every 200 calls, to keep the launch queue short."""
+    import torch
+
+    for _ in range(50):
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+        if len(times) % 200 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return times
 
 
 def main() -> None:
@@ -72,17 +92,7 @@ def main() -> None:
     for label, (call, kwargs) in variants.items():
         if args.rows and args.rows not in label:
             continue
-        for _ in range(50):
-            call(q, k, v, tables, lens, **kwargs)
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(args.calls):
-            t0 = time.perf_counter()
-            call(q, k, v, tables, lens, **kwargs)
-            times.append(time.perf_counter() - t0)
-            if len(times) % 200 == 0:
-                torch.cuda.synchronize()  # keep the launch queue short
-        torch.cuda.synchronize()
+        times = host_times(lambda call=call, kwargs=kwargs: call(q, k, v, tables, lens, **kwargs), args.calls)
         print(f"host time per call, {label:30s}: median {statistics.median(times) * 1e6:7.1f} us "
               f"(p10 {sorted(times)[len(times) // 10] * 1e6:.1f}, p90 {sorted(times)[9 * len(times) // 10] * 1e6:.1f})")
 
