@@ -431,9 +431,7 @@ def gqa_split(args: argparse.Namespace, timer: bd.Timer) -> list[tuple[str, str,
     def forced(parts: int) -> Callable[..., tuple[int, int]]:
         def split_keys(ctas: int, max_len: int, num_sms: int, tile: int,
                        resident: int | None = None) -> tuple[int, int]:
-            per_part = -(-max_len // parts)
-            tokens = max(tile, -(-per_part // tile) * tile)
-            return tokens, max(1, -(-max_len // tokens))
+            return decode.partitions(max_len, parts, tile)
         return split_keys
 
     table = []

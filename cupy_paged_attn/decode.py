@@ -126,6 +126,12 @@ def split_keys(ctas: int, max_len: int, num_sms: int, tile: int, resident: int |
             parts = min(resident * num_sms // ctas, most)
     elif 0 < ctas < _SPLIT_BELOW_CTAS_PER_SM * num_sms:
         parts = min(-(-_CTAS_PER_SM_TARGET * num_sms // ctas), most)
+    return partitions(max_len, parts, tile)
+
+
+def partitions(max_len: int, parts: int, tile: int) -> tuple[int, int]:
+    """``(tokens_per_part, num_parts)`` of keys ``[0, max_len)`` cut into about ``parts`` partitions of whole
+    ``tile`` multiples; no partition is empty."""
     per_part = -(-max_len // parts)
     tokens_per_part = max(tile, -(-per_part // tile) * tile)
     return tokens_per_part, max(1, -(-max_len // tokens_per_part))
