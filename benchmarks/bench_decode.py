@@ -181,6 +181,9 @@ CASES = (
     Case(1, 32, 8, 128, 65536, max_sets=LONG),
     Case(4, 32, 8, 128, 32768, max_sets=LONG),
     Case(8, 16, 16, 64, 131072, min_len=4096, max_sets=LONG),
+    # Widely spread lengths, as a serving batch has them (the grid's tail: decode.LONGEST_FIRST).
+    Case(64, 16, 16, 64, 8192, min_len=128),
+    Case(128, 8, 8, 128, 4096, min_len=64),
 )
 
 

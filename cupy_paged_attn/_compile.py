@@ -89,6 +89,12 @@ class DecodeSpec:
         near = 2 * self.heads_per_cta * DECODE_T5_NEAR_DISTANCES * 4 if self.bias == "t5" else 0
         return DECODE_SMEM_BYTES + near
 
+    @property
+    def max_ctas_per_sm(self) -> int:
+        """CTAs per SM the kernel's register budget allows (DecodeLayout::kMinCtas): four with one query head per
+        CTA, three with more. Shared memory may allow fewer."""
+        return 4 if self.heads_per_cta == 1 else 3
+
     def name_expressions(self) -> tuple[str, str]:
         """The kernel and its split-K reduction, as NVRTC name expressions."""
         t = CUDA_TYPES[self.dtype]

@@ -41,6 +41,11 @@ DEPENDENT_REDUCE = True
 #: 7.7 us without a bias, 8.6 -> 7.9-8.0 dense. Split grids only: unsplit ones of several waves ran 0.6-1 % slower
 #: launched so (B64 H16 d64 L2048, ragged lengths, B8 long ragged). False: plain launches (A/B runs).
 DEPENDENT_ATTENTION = True
+#: An unsplit FP32 grid of more than one wave over 2 to 256 sequences takes them longest first (``seq_of_rank`` in
+#: paged_decode.cu; not with a T5 bias): the hardware starts CTAs in index order, so the last wave then holds the
+#: shortest sequences and the grid ends evenly. False: sequences in index order (A/B runs).
+LONGEST_FIRST = True
+_MAX_LONGEST_FIRST_SEQS = _THREADS  # kMaxLongestFirstSeqs: one sequence per thread of the ranking
 
 
 @functools.cache
@@ -97,6 +102,7 @@ class DecodeLaunch:
     shared_mem: int
     reduce_grid: tuple[int, int, int]
     reduce_threads: int
+    longest_first: bool = False
 
     @property
     def tensor_cores(self) -> bool:
@@ -164,8 +170,13 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int,
     smem = spec.smem_bytes
     if parts > 1 and smem_per_sm is not None:
         smem = occupancy_smem(smem, _SPLIT_CTAS_PER_SM, smem_per_sm)
-    return DecodeLaunch(spec, (p.num_seqs * p.num_kv_heads * chunks, 1, parts), tokens_per_part, parts, _THREADS,
-                        smem, (p.num_seqs, p.num_heads, 1), _REDUCE_THREADS)
+    ctas = p.num_seqs * p.num_kv_heads * chunks
+    # Only a grid of more than one wave (more CTAs than the register budget lets the SMs hold) gains from the order.
+    # The T5 kernels have no room for it (paged_decode.cu, kLongestFirst).
+    longest_first = (LONGEST_FIRST and parts == 1 and 2 <= p.num_seqs <= _MAX_LONGEST_FIRST_SEQS
+                     and ctas > spec.max_ctas_per_sm * num_sms and p.bias.mode != "t5")
+    return DecodeLaunch(spec, (ctas, 1, parts), tokens_per_part, parts, _THREADS, smem, (p.num_seqs, p.num_heads, 1),
+                        _REDUCE_THREADS, longest_first)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -289,6 +300,7 @@ def _kernel_arguments(p: _checks.DecodeProblem, launch: DecodeLaunch) -> list[tu
         ("alibi_slopes", null), ("scale", np.float32(p.scale)), ("group_size", i32(p.group_size)),
         *((("causal", i32(0)),) if tc else ()),
         ("tokens_per_part", i32(launch.tokens_per_part)), ("num_parts", i32(launch.num_parts)),
+        *(() if tc else (("longest_first", i32(launch.longest_first)),)),
     ]
 
 
@@ -634,7 +646,7 @@ def _plan_key(named: dict[str, Any], scale: Any, kv_layout: Any,
             return None
         key = (kind, tuple([type(x) for x in named.values()]), tuple(signatures.values()), type(scale), scale,
                kv_layout, _checks.bias_geometry(attn_bias), _num_sms(device), TENSOR_CORE_MIN_GROUP,
-               DEPENDENT_REDUCE, DEPENDENT_ATTENTION)
+               DEPENDENT_REDUCE, DEPENDENT_ATTENTION, LONGEST_FIRST)
         hash(key)
     except (AttributeError, TypeError):  # not an array of the query's framework; an unhashable scale or layout
         return None
@@ -646,7 +658,7 @@ def _problem_key(problem: _checks.DecodeProblem, framework: str, device: int) ->
     p, b = problem, problem.bias
     return (
         framework, device, _num_sms(device), TENSOR_CORE_MIN_GROUP, DEPENDENT_REDUCE, DEPENDENT_ATTENTION,
-        p.dtype, p.head_size, p.kv_layout, p.num_seqs, p.num_heads, p.num_kv_heads,
+        LONGEST_FIRST, p.dtype, p.head_size, p.kv_layout, p.num_seqs, p.num_heads, p.num_kv_heads,
         p.max_len, p.scale, _kernel_strides(p.query), _kernel_strides(p.block_tables), dataclasses.astuple(p.cache),
         b.mode, b.strides, b.dtype, b.n, b.m, p.alibi_slopes is None,
     )

@@ -123,13 +123,18 @@ __device__ __forceinline__ void unpack<__nv_bfloat16>(const uint4& raw, float* f
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Asynchronous copies global -> shared (sm_80+), 16 bytes each, cached in L2 only. A copy with src_bytes = 0 reads
-// nothing and writes zeros. Copies are grouped by commit(); wait<N>() returns once at most N of this thread's
-// groups are still in flight. Only the issuing thread may rely on its copies without a barrier.
+// Asynchronous copies global -> shared (sm_80+), 16 bytes each, cached in L2 only (or one int, cp_async4). A copy
+// with src_bytes = 0 reads nothing and writes zeros. Copies are grouped by commit(); wait<N>() returns once at most
+// N of this thread's groups are still in flight. Only the issuing thread may rely on its copies without a barrier.
 // ---------------------------------------------------------------------------------------------------------------
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async4(int* smem, const int* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(gmem));
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }

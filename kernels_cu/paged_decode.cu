@@ -6,9 +6,9 @@
 // The kernels hold x·log2(e) and take powers of 2 (one MUFU.EX2 each), so m below is in those units.
 //
 // One CTA per (sequence, KV head, chunk of up to HG query heads of that KV head's group, partition of the keys):
-// blockIdx.x = (s·num_kv_heads + kvh)·chunks + chunk, so that the CTAs of one sequence run side by side (a
+// blockIdx.x = (row·num_kv_heads + kvh)·chunks + chunk, so that the CTAs of one sequence run side by side (a
 // RaggedBias row holds every head of a key: each of its sectors is then fetched once, not once per head), and
-// blockIdx.z = partition.
+// blockIdx.z = partition. Row r is sequence r, or with longest_first the r-th longest (seq_of_rank).
 // The CTA reads each key/value page of its partition once for all its query heads, in tiles of TILE tokens
 // pipelined through shared memory, with an online softmax across tiles:
 //   m = a reference for x (at most kRescaleSlack below the running max), l = Σ 2^(x − m), acc = Σ 2^(x − m)·v.
@@ -80,6 +80,41 @@ struct DecodeLayout {
 };
 
 // ---------------------------------------------------------------------------------------------------------------
+// Longest first. The hardware starts a grid's CTAs in index order, so a grid of several waves over sequences of
+// unequal length ends with CTAs of any length running while fewer and fewer others keep the memory busy. With
+// longest_first, the CTA row r (blockIdx.x / CTAs per sequence) takes the sequence of rank r in decreasing length
+// (ties by index): the longest start first and the last wave holds the shortest, which end together.
+// Every CTA ranks the same clamped lengths, so the ranks are a permutation of the sequences. One sequence per
+// thread (num_seqs <= kDecodeThreads) counts the sequences before its own in broadcast reads of shared memory.
+// lens_s: kDecodeThreads + 4 ints of shared memory, 16-byte aligned, free until the caller's next barrier. The
+// caller's cp.async copies issued before the call have landed, visible to the whole CTA, when it returns.
+// ---------------------------------------------------------------------------------------------------------------
+constexpr int kMaxLongestFirstSeqs = kDecodeThreads;
+
+__device__ __forceinline__ int seq_of_rank(const int* __restrict__ seq_lens, int num_seqs, int max_len, int rank,
+                                           int* lens_s) {
+  const int t = threadIdx.x;
+  const int padded = (num_seqs + 3) & ~3;
+  // Lengths are >= 0; a padding entry of -1 is neither longer nor as long as any.
+  const int mine = t < num_seqs ? clamped_len(seq_lens, t, max_len) : -1;
+  if (t < padded) lens_s[t] = mine;
+  __syncthreads();  // every sequence's length is in shared memory before any thread ranks its own
+  if (t < num_seqs) {
+    int before = 0;  // sequences before t in the order: longer, or as long with a lower index
+#pragma unroll 8
+    for (int u = 0; u < padded; u += 4) {  // unrolled: eight loads in flight, not one at a time
+      const int4 l4 = *reinterpret_cast<const int4*>(lens_s + u);
+      before += (l4.x > mine || (l4.x == mine && u < t)) + (l4.y > mine || (l4.y == mine && u + 1 < t)) +
+                (l4.z > mine || (l4.z == mine && u + 2 < t)) + (l4.w > mine || (l4.w == mine && u + 3 < t));
+    }
+    if (before == rank) lens_s[kMaxLongestFirstSeqs] = t;
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the sequence of this CTA's rank, and every thread's copies, are in shared memory
+  return lens_s[kMaxLongestFirstSeqs];
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // The attention kernel. Template parameters: storage dtype T, head size HEAD, cache LAYOUT, HG = query heads per
 // CTA (1, 2, 4 or 8), Bias = NoBias, DenseBias, RaggedBias or T5Bias (common.cuh). The page size is a run-time
 // power of two (block_shift).
@@ -103,7 +138,8 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
     const void* bias_ptr, const int* bias_index, long long bias_stride_0, long long bias_stride_1,
     long long bias_stride_2, long long bias_stride_3, int bias_dtype, int bias_n, int bias_m,  // BiasArgs
     const float* __restrict__ alibi_slopes,  // [num_heads] or null
-    float scale, int group_size, int tokens_per_part, int num_parts) {
+    float scale, int group_size, int tokens_per_part, int num_parts,
+    int longest_first) {  // nonzero: CTA rows take the sequences longest first (seq_of_rank; unsplit grids only)
   using L = DecodeLayout<T, HEAD, HG>;
   using Cache = PagedCache<T, HEAD, LAYOUT>;
   constexpr int VEC = L::VEC, NVEC = L::NVEC, TX = L::TX, VPL = L::VPL, TZ = L::TZ, TILE = L::TILE;
@@ -120,7 +156,7 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
   auto* column_s = near_s + HG * kT5NearDistances;
 
   const int num_chunks = (group_size + HG - 1) / HG;
-  const int s = static_cast<int>(blockIdx.x) / (num_kv_heads * num_chunks);
+  const int row = static_cast<int>(blockIdx.x) / (num_kv_heads * num_chunks);
   const int y = static_cast<int>(blockIdx.x) % (num_kv_heads * num_chunks);  // (KV head, chunk)
   const int kvh = y / num_chunks;
   const int head0 = kvh * group_size + (y % num_chunks) * HG;  // first query head of this CTA
@@ -132,18 +168,48 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
   const int ty = (tid / TX) % HG;
   const int tz = tid / (TX * HG);
 
-  const Bias bias = Bias::make(BiasArgs{bias_ptr, bias_index, {bias_stride_0, bias_stride_1, bias_stride_2,
-                                        bias_stride_3}, bias_dtype, bias_n, bias_m});
-  const typename Bias::Seq seq_bias = bias.seq(s);
-  // Keys of this sequence: seq_lens[s] within the block table (and a dense bias), and within a ragged bias's rows.
-  const int len = seq_bias.limit(clamped_len(seq_lens, s, max_len));
   const int start = part * tokens_per_part;
-  const int end = min(start + tokens_per_part, len);
   // The keys whose block ids are fetched: the partition's, within the table (max_len), whatever seq_lens[s] says (an
   // id is used only for a key below end). The loads then need not wait for seq_lens[s], and fewer values stay live
   // across the loop: the bias specialisations stopped spilling (benchmarks/NOTES.md, session 6).
   const int fetch_end = min(start + tokens_per_part, max_len);
   const int block_mask = (1 << block_shift) - 1;
+
+  // The sequence, and where the first tiles' block ids are read: the block table, or with longest_first and a
+  // sequence that is the row's own (a batch already longest first, equal lengths included) the copy of the row's
+  // first ids that travelled to shared memory while the CTA ranked (no second round trip to L2 after the ranking).
+  int s = row;
+  const int* first_ids = block_tables + row * block_table_stride;  // entry i: block id i + first_base
+  int first_base = 0;
+  // Not in the T5 kernels: their one-head forms sit at the 64 registers of four CTAs per SM, and a sequence read
+  // from shared memory instead of derived from blockIdx spilled there (8 bytes, +2 us on B64 H16 d64 L2048).
+  constexpr bool kLongestFirst = !Bias::kNearTable;
+  if (kLongestFirst && longest_first) {  // the same for every thread of the CTA
+    // The ranking's lengths, then the row's first block ids, live in the last stage, which no copy writes before
+    // the loop's first barrier.
+    int* lens_s = reinterpret_cast<int*>(stage_s + (kStages - 1) * 2 * L::kStageVecs);
+    int* ids_s = lens_s + kMaxLongestFirstSeqs + 4;
+    static_assert(kStages >= 2 && (kMaxLongestFirstSeqs + 4 + kAhead * kMaxDecodeTile) * 4 <=
+                                      2 * L::kStageVecs * kVecBytes, "room to rank");
+    first_base = start >> block_shift;
+    const int num_ids = ((min(start + kAhead * TILE, max_len) - 1) >> block_shift) - first_base + 1;  // <= 256
+    if (tid < num_ids) cp_async4(ids_s + tid, first_ids + first_base + tid);
+    cp_async_commit();
+    s = seq_of_rank(seq_lens, static_cast<int>(gridDim.x) / (num_kv_heads * num_chunks), max_len, row, lens_s);
+    if (s == row) {
+      first_ids = ids_s;
+    } else {
+      first_ids = block_tables + s * block_table_stride;
+      first_base = 0;
+    }
+  }
+
+  const Bias bias = Bias::make(BiasArgs{bias_ptr, bias_index, {bias_stride_0, bias_stride_1, bias_stride_2,
+                                        bias_stride_3}, bias_dtype, bias_n, bias_m});
+  const typename Bias::Seq seq_bias = bias.seq(s);
+  // Keys of this sequence: seq_lens[s] within the block table (and a dense bias), and within a ragged bias's rows.
+  const int len = seq_bias.limit(clamped_len(seq_lens, s, max_len));
+  const int end = min(start + tokens_per_part, len);
 
   const Cache cache{key_cache, value_cache, cache_block_stride, num_kv_heads, block_shift};
   const int* table = block_tables + s * block_table_stride;
@@ -181,15 +247,17 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
 #pragma unroll
   for (int k = 0; k < kVecsPerThread; ++k) copy_at[k] = cache.page_offset(0, kvh, (tid + k * kDecodeThreads) % NVEC);
 
-  // Block ids of tile t0's copies into ring slot st.
-  auto fetch_ids = [&](int st, int t0) {
+  // Block ids of tile t0's copies into ring slot st, from ids (block id i at ids[i - base]).
+  auto fetch_ids_from = [&](const int* ids, int base, int st, int t0) {
 #pragma unroll
     for (int k = 0; k < kVecsPerThread; ++k) {
       const int idx = tid + k * kDecodeThreads;
       cblk_r[st][k] = -1;
-      if (idx < TILE * NVEC && t0 + idx / NVEC < fetch_end) cblk_r[st][k] = table[(t0 + idx / NVEC) >> block_shift];
+      if (idx < TILE * NVEC && t0 + idx / NVEC < fetch_end)
+        cblk_r[st][k] = ids[((t0 + idx / NVEC) >> block_shift) - base];
     }
   };
+  auto fetch_ids = [&](int st, int t0) { fetch_ids_from(table, 0, st, t0); };
   // Tile t0 into slot st: its keys and values into shared memory (one cp.async group), and its key flags (read
   // after the barrier of tile t0's turn, kAhead barriers later).
   auto issue = [&](int st, int t0) {
@@ -259,7 +327,7 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
     }
   }
 #pragma unroll
-  for (int t = 0; t < kAhead; ++t) fetch_ids(t, start + t * TILE);
+  for (int t = 0; t < kAhead; ++t) fetch_ids_from(first_ids, first_base, t, start + t * TILE);
 #pragma unroll
   for (int t = 0; t < kAhead; ++t) issue(t, start + t * TILE);
 #pragma unroll

@@ -72,6 +72,36 @@ def test_split_planning(rng, seq_lens, heads, expect_split):
     assert np.all(np.asarray(plan.grid) >= 1)
 
 
+@pytest.mark.parametrize(
+    ("num_seqs", "heads", "head_size", "num_sms", "switch", "expect"),
+    [(64, (16, 16), 64, 132, True, True),      # ragged lengths: 1024 CTAs, two waves of 528
+     (64, (16, 16), 64, 132, False, False),    # the switch off
+     (256, (4, 4), 64, 132, True, True),       # the most sequences one ranking takes
+     (257, (4, 4), 64, 132, True, False),      # one more
+     (1, (16, 16), 64, 1, True, False),        # nothing to order
+     (33, (16, 16), 64, 132, True, False),     # 528 CTAs: one wave
+     (64, (32, 8), 128, 132, True, False),     # the tensor cores (bf16, group 4)
+     (2, (16, 16), 64, 4, True, True)],        # a small GPU
+)
+@pytest.mark.parametrize("bias", ["none", "dense", "ragged", "t5-causal"])
+def test_longest_first_planning(rng, monkeypatch, num_seqs, heads, head_size, num_sms, switch, expect, bias):
+    """Unsplit FP32 grids of more than one wave over 2 to 256 sequences take them longest first, but for a T5 bias
+    (its kernels have no register to spare)."""
+    monkeypatch.setattr(decode, "LONGEST_FIRST", switch)
+    p = make_problem(rng, [1] * (num_seqs - 1) + [2048], num_heads=heads[0], num_kv_heads=heads[1],
+                     head_size=head_size, dtype="bf16", bias=bias, bias_dtype="bf16", extra_table_cols=0,
+                     spare_blocks=0)
+    expect = expect and not bias.startswith("t5")
+    problem = _checks.check_decode(*p.args(), **p.kwargs(), out=None)
+    launch = decode.plan_decode(problem, num_sms=num_sms)
+    assert launch.longest_first == expect
+    assert not (launch.longest_first and (launch.num_parts > 1 or launch.tensor_cores))
+    args = dict(decode._kernel_arguments(problem, launch))
+    assert ("longest_first" in args) != launch.tensor_cores
+    if not launch.tensor_cores:
+        assert args["longest_first"] == np.int32(expect)
+
+
 @pytest.mark.parametrize("smem_per_sm", [(233472, 1024), (167936, 1024), (101376, 1024)])
 def test_split_grid_caps_its_ctas_per_sm(rng, smem_per_sm):
     """A split grid of the FP32 kernel asks for the shared memory that keeps a fourth CTA off each SM (H100/H200:

@@ -167,6 +167,28 @@ def test_single_pass_and_split_k_agree(rng, monkeypatch):
     assert_close(results["split"], paged_attention_ref(*p.args(), **p.kwargs()), "f32")
 
 
+@pytest.mark.parametrize("num_seqs", [2, 37, 256])
+def test_longest_first_order(rng, monkeypatch, num_seqs):
+    """Sequences taken longest first (ties and an empty one among them) give what index order gives, bit for bit,
+    and the reference's answer; every output row is written (out poisoned). 256 sequences is the most one ranking
+    takes. (Lengths past the block table and negative ones: test_hostile_block_ids_and_lengths_stay_in_bounds, whose
+    single-pass grids are ordered so too.)"""
+    monkeypatch.setattr(decode, "_num_sms", lambda device: 1)  # every grid is then several waves
+    lens = [int(n) for n in rng.integers(0, 300, num_seqs)]
+    lens[: min(num_seqs, 4)] = [299, 0, 299, 1][: min(num_seqs, 4)]  # ties and an empty sequence
+    p = make_problem(rng, lens, num_heads=4, num_kv_heads=4, head_size=64, dtype="bf16", bias="dense",
+                     bias_dtype="bf16", alibi=True, spare_blocks=1, extra_table_cols=0)
+    results = {}
+    for order in (True, False):
+        monkeypatch.setattr(decode, "LONGEST_FIRST", order)
+        args, kwargs = device_args(p, to_cupy)
+        plan = cpa.DecodePlan(*args, **kwargs)
+        assert plan.launch.longest_first == order and plan.launch.num_parts == 1
+        results[order] = run_cupy(p)
+    np.testing.assert_array_equal(results[True], results[False])
+    assert_close(results[True], paged_attention_ref(*p.args(), **p.kwargs()), "bf16")
+
+
 @pytest.mark.parametrize(("q_dtype", "bias_dtype"), [("bf16", "f32"), ("bf16", "f16"), ("f16", "bf16"),
                                                      ("f32", "bf16"), ("f16", "f16")])
 def test_bias_dtypes(rng, split, q_dtype, bias_dtype):
