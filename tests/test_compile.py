@@ -331,16 +331,19 @@ def test_host_mirrors_of_kernel_constants():
 
     decode_checks = [f"static_assert(cpa::kDecodeThreads == {decode._THREADS}, \"threads\");",
                      f"static_assert(cpa::kT5NearDistances == {_compile.DECODE_T5_NEAR_DISTANCES}, \"t5 near\");",
-                     f"static_assert(cpa::kReduceThreads == {decode._REDUCE_THREADS}, \"reduce\");"]
+                     f"static_assert(cpa::kReduceThreads == {decode._REDUCE_THREADS}, \"reduce\");",
+                     f"static_assert(cpa::kMaxLongestFirstSeqs == {decode._MAX_LONGEST_FIRST_SEQS}, \"ranking\");"]
     for dt in t:
         for d in _compile.HEAD_SIZES:
             for g in _compile.HEADS_PER_CTA:
                 layout = f"cpa::DecodeLayout<{t[dt]}, {d}, {g}>"
-                t5 = _compile.DecodeSpec(dt, d, "nhd", g, "t5").smem_bytes
+                spec = _compile.DecodeSpec(dt, d, "nhd", g, "t5")
                 smem = _compile.DECODE_SMEM_BYTES
                 decode_checks += [f"static_assert({layout}::kSmemBytes == {smem}, \"{dt} d{d}\");",
-                                  f"static_assert({layout}::kSmemBytes + {layout}::kNearBytes == {t5}, \"t5\");",
-                                  f"static_assert({decode._TILE_MULTIPLE} % {layout}::TILE == 0, \"tile\");"]
+                                  f"static_assert({layout}::kSmemBytes + {layout}::kNearBytes == {spec.smem_bytes}, "
+                                  "\"t5\");",
+                                  f"static_assert({decode._TILE_MULTIPLE} % {layout}::TILE == 0, \"tile\");",
+                                  f"static_assert({layout}::kMinCtas == {spec.max_ctas_per_sm}, \"ctas g{g}\");"]
     _compile.compile_offline("paged_decode.cu", [], "sm_90", "\n" + "\n".join(decode_checks) + "\n")
 
 
