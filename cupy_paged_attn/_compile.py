@@ -85,8 +85,8 @@ class DecodeSpec:
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory of the kernel (DecodeLayout::kSmemBytes, plus kNearBytes with a T5 bias: a near
-        table and a bucket column per head)."""
-        near = 2 * self.heads_per_cta * DECODE_T5_NEAR_DISTANCES * 4 if self.bias == "t5" else 0
+        table and a bucket column per head, and the CTA's sequence when ranked longest first)."""
+        near = 2 * self.heads_per_cta * DECODE_T5_NEAR_DISTANCES * 4 + 16 if self.bias == "t5" else 0
         return DECODE_SMEM_BYTES + near
 
     @property

@@ -42,8 +42,8 @@ DEPENDENT_REDUCE = True
 #: launched so (B64 H16 d64 L2048, ragged lengths, B8 long ragged). False: plain launches (A/B runs).
 DEPENDENT_ATTENTION = True
 #: An unsplit FP32 grid of more than one wave over 2 to 256 sequences takes them longest first (``seq_of_rank`` in
-#: paged_decode.cu; not with a T5 bias): the hardware starts CTAs in index order, so the last wave then holds the
-#: shortest sequences and the grid ends evenly. False: sequences in index order (A/B runs).
+#: paged_decode.cu): the hardware starts CTAs in index order, so the last wave then holds the shortest sequences and
+#: the grid ends evenly. False: sequences in index order (A/B runs).
 LONGEST_FIRST = True
 _MAX_LONGEST_FIRST_SEQS = _THREADS  # kMaxLongestFirstSeqs: one sequence per thread of the ranking
 
@@ -172,9 +172,8 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int,
         smem = occupancy_smem(smem, _SPLIT_CTAS_PER_SM, smem_per_sm)
     ctas = p.num_seqs * p.num_kv_heads * chunks
     # Only a grid of more than one wave (more CTAs than the register budget lets the SMs hold) gains from the order.
-    # The T5 kernels have no room for it (paged_decode.cu, kLongestFirst).
     longest_first = (LONGEST_FIRST and parts == 1 and 2 <= p.num_seqs <= _MAX_LONGEST_FIRST_SEQS
-                     and ctas > spec.max_ctas_per_sm * num_sms and p.bias.mode != "t5")
+                     and ctas > spec.max_ctas_per_sm * num_sms)
     return DecodeLaunch(spec, (ctas, 1, parts), tokens_per_part, parts, _THREADS, smem, (p.num_seqs, p.num_heads, 1),
                         _REDUCE_THREADS, longest_first)
 

@@ -70,8 +70,9 @@ struct DecodeLayout {
   // vector, read by the lane that adds its bias). Sized for the largest tile, so every specialisation asks the same.
   static constexpr int kSmemBytes = kStageBytes + kStages * kMaxDecodeTile;
   // With a T5 bias, then the near-weight table of each head, [HG][kT5NearDistances] raw bits (T5Bias::Seq::Row),
-  // and the column of the bias table it is gathered from, [HG][kT5NearDistances] (buckets of the keys' side).
-  static constexpr int kNearBytes = 2 * HG * kT5NearDistances * 4;
+  // the column of the bias table it is gathered from, [HG][kT5NearDistances] (buckets of the keys' side), and the
+  // CTA's sequence when ranked longest first (an int, in 16 bytes).
+  static constexpr int kNearBytes = 2 * HG * kT5NearDistances * 4 + 16;
   static_assert(HEAD % VEC == 0, "head size must be a whole number of 16-byte vectors");
   static_assert(TX * HG <= kDecodeThreads && TPT >= 1 && TILE % TZ == 0, "every thread owns whole tokens");
   static_assert(TILE * NVEC <= kStageVecs, "a tile fits its stage");
@@ -86,13 +87,14 @@ struct DecodeLayout {
 // (ties by index): the longest start first and the last wave holds the shortest, which end together.
 // Every CTA ranks the same clamped lengths, so the ranks are a permutation of the sequences. One sequence per
 // thread (num_seqs <= kDecodeThreads) counts the sequences before its own in broadcast reads of shared memory.
-// lens_s: kDecodeThreads + 4 ints of shared memory, 16-byte aligned, free until the caller's next barrier. The
-// caller's cp.async copies issued before the call have landed, visible to the whole CTA, when it returns.
+// lens_s: kDecodeThreads + 4 ints of shared memory, 16-byte aligned, free until the caller's next barrier; the
+// sequence is also left in *seq_out. The caller's cp.async copies issued before the call have landed, visible to the
+// whole CTA, when it returns.
 // ---------------------------------------------------------------------------------------------------------------
 constexpr int kMaxLongestFirstSeqs = kDecodeThreads;
 
 __device__ __forceinline__ int seq_of_rank(const int* __restrict__ seq_lens, int num_seqs, int max_len, int rank,
-                                           int* lens_s) {
+                                           int* lens_s, volatile int* seq_out) {
   const int t = threadIdx.x;
   const int padded = (num_seqs + 3) & ~3;
   // Lengths are >= 0; a padding entry of -1 is neither longer nor as long as any.
@@ -107,11 +109,11 @@ __device__ __forceinline__ int seq_of_rank(const int* __restrict__ seq_lens, int
       before += (l4.x > mine || (l4.x == mine && u < t)) + (l4.y > mine || (l4.y == mine && u + 1 < t)) +
                 (l4.z > mine || (l4.z == mine && u + 2 < t)) + (l4.w > mine || (l4.w == mine && u + 3 < t));
     }
-    if (before == rank) lens_s[kMaxLongestFirstSeqs] = t;
+    if (before == rank) *seq_out = t;
   }
   cp_async_wait<0>();
   __syncthreads();  // the sequence of this CTA's rank, and every thread's copies, are in shared memory
-  return lens_s[kMaxLongestFirstSeqs];
+  return *seq_out;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -151,9 +153,12 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
   // [kStages][TILE]: token t of the tile in stage st is a key (in the sequence, and its block id in the cache).
   unsigned char* key_s = reinterpret_cast<unsigned char*>(stage_s) + L::kStageBytes;
   // T5 only, [HG][kT5NearDistances]: head g's weight bits of the keys at distance d < kT5NearDistances before the
-  // query; then [HG][kT5NearDistances]: head g's weight bits of bucket b (b below the buckets of the keys' side).
+  // query; then [HG][kT5NearDistances]: head g's weight bits of bucket b (b below the buckets of the keys' side);
+  // then the CTA's sequence when ranked (seq_late, below).
   auto* near_s = reinterpret_cast<typename Bias::Raw*>(reinterpret_cast<unsigned char*>(stage_s) + L::kSmemBytes);
   auto* column_s = near_s + HG * kT5NearDistances;
+  volatile int* seq_s = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(stage_s) + L::kSmemBytes +
+                                               L::kNearBytes - 16);
 
   const int num_chunks = (group_size + HG - 1) / HG;
   const int row = static_cast<int>(blockIdx.x) / (num_kv_heads * num_chunks);
@@ -181,10 +186,7 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
   int s = row;
   const int* first_ids = block_tables + row * block_table_stride;  // entry i: block id i + first_base
   int first_base = 0;
-  // Not in the T5 kernels: their one-head forms sit at the 64 registers of four CTAs per SM, and a sequence read
-  // from shared memory instead of derived from blockIdx spilled there (8 bytes, +2 us on B64 H16 d64 L2048).
-  constexpr bool kLongestFirst = !Bias::kNearTable;
-  if (kLongestFirst && longest_first) {  // the same for every thread of the CTA
+  if (longest_first) {  // the same for every thread of the CTA
     // The ranking's lengths, then the row's first block ids, live in the last stage, which no copy writes before
     // the loop's first barrier.
     int* lens_s = reinterpret_cast<int*>(stage_s + (kStages - 1) * 2 * L::kStageVecs);
@@ -195,7 +197,8 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
     const int num_ids = ((min(start + kAhead * TILE, max_len) - 1) >> block_shift) - first_base + 1;  // <= 256
     if (tid < num_ids) cp_async4(ids_s + tid, first_ids + first_base + tid);
     cp_async_commit();
-    s = seq_of_rank(seq_lens, static_cast<int>(gridDim.x) / (num_kv_heads * num_chunks), max_len, row, lens_s);
+    s = seq_of_rank(seq_lens, static_cast<int>(gridDim.x) / (num_kv_heads * num_chunks), max_len, row, lens_s,
+                    Bias::kNearTable ? seq_s : lens_s + kMaxLongestFirstSeqs);
     if (s == row) {
       first_ids = ids_s;
     } else {
@@ -211,8 +214,15 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
   const int len = seq_bias.limit(clamped_len(seq_lens, s, max_len));
   const int end = min(start + tokens_per_part, len);
 
+  // The sequence where the loop and the epilogue need it: s, but in the T5 kernels reread from shared memory when
+  // ranked (as blockIdx is when not). Their one-head forms sit at the 64 registers of four CTAs per SM, and a
+  // sequence kept across the loop spilled 8 bytes there (+2 us on B64 H16 d64 L2048 even unranked).
+  auto seq_late = [&]() -> int {
+    if constexpr (Bias::kNearTable) return longest_first ? *seq_s : row;
+    return s;
+  };
   const Cache cache{key_cache, value_cache, cache_block_stride, num_kv_heads, block_shift};
-  const int* table = block_tables + s * block_table_stride;
+  const int* table = block_tables + s * block_table_stride;  // (the T5 kernels' loop rebuilds it: seq_late)
   const bool head_used = ty < nh;
   const int h = head0 + ty;
 
@@ -257,7 +267,13 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
         cblk_r[st][k] = ids[((t0 + idx / NVEC) >> block_shift) - base];
     }
   };
-  auto fetch_ids = [&](int st, int t0) { fetch_ids_from(table, 0, st, t0); };
+  auto fetch_ids = [&](int st, int t0) {
+    if constexpr (Bias::kNearTable) {
+      fetch_ids_from(block_tables + seq_late() * block_table_stride, 0, st, t0);
+    } else {
+      fetch_ids_from(table, 0, st, t0);
+    }
+  };
   // Tile t0 into slot st: its keys and values into shared memory (one cp.async group), and its key flags (read
   // after the barrier of tile t0's turn, kAhead barriers later).
   auto issue = [&](int st, int t0) {
@@ -504,9 +520,9 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
     }
     const int hh = head0 + g;
     if (num_parts == 1) {
-      out[s * out_stride_s + hh * out_stride_h + d] = from_float<T>(big_l > 0.0f ? o / big_l : 0.0f);
+      out[seq_late() * out_stride_s + hh * out_stride_h + d] = from_float<T>(big_l > 0.0f ? o / big_l : 0.0f);
     } else {
-      const long long at = (static_cast<long long>(s) * (num_kv_heads * group_size) + hh) * num_parts + part;
+      const long long at = (static_cast<long long>(seq_late()) * (num_kv_heads * group_size) + hh) * num_parts + part;
       part_acc[at * HEAD + d] = o;
       if (d == 0) {
         part_ml[at * 2] = head_m;

@@ -85,13 +85,12 @@ def test_split_planning(rng, seq_lens, heads, expect_split):
 )
 @pytest.mark.parametrize("bias", ["none", "dense", "ragged", "t5-causal"])
 def test_longest_first_planning(rng, monkeypatch, num_seqs, heads, head_size, num_sms, switch, expect, bias):
-    """Unsplit FP32 grids of more than one wave over 2 to 256 sequences take them longest first, but for a T5 bias
-    (its kernels have no register to spare)."""
+    """Unsplit FP32 grids of more than one wave over 2 to 256 sequences take them longest first, whatever the
+    bias."""
     monkeypatch.setattr(decode, "LONGEST_FIRST", switch)
     p = make_problem(rng, [1] * (num_seqs - 1) + [2048], num_heads=heads[0], num_kv_heads=heads[1],
                      head_size=head_size, dtype="bf16", bias=bias, bias_dtype="bf16", extra_table_cols=0,
                      spare_blocks=0)
-    expect = expect and not bias.startswith("t5")
     problem = _checks.check_decode(*p.args(), **p.kwargs(), out=None)
     launch = decode.plan_decode(problem, num_sms=num_sms)
     assert launch.longest_first == expect

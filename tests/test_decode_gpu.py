@@ -167,16 +167,18 @@ def test_single_pass_and_split_k_agree(rng, monkeypatch):
     assert_close(results["split"], paged_attention_ref(*p.args(), **p.kwargs()), "f32")
 
 
-@pytest.mark.parametrize("num_seqs", [2, 37, 256])
-def test_longest_first_order(rng, monkeypatch, num_seqs):
+@pytest.mark.parametrize(("num_seqs", "bias"), [(2, "dense"), (37, "dense"), (256, "dense"), (37, "ragged"),
+                                                (37, "t5-causal"), (256, "t5-bidir")])
+def test_longest_first_order(rng, monkeypatch, num_seqs, bias):
     """Sequences taken longest first (ties and an empty one among them) give what index order gives, bit for bit,
-    and the reference's answer; every output row is written (out poisoned). 256 sequences is the most one ranking
-    takes. (Lengths past the block table and negative ones: test_hostile_block_ids_and_lengths_stay_in_bounds, whose
-    single-pass grids are ordered so too.)"""
+    and the reference's answer, with each bias kind (T5's kernels reread the sequence from shared memory); every
+    output row is written (out poisoned). 256 sequences is the most one ranking takes. (Lengths past the block table
+    and negative ones: test_hostile_block_ids_and_lengths_stay_in_bounds, whose single-pass grids are ordered so
+    too.)"""
     monkeypatch.setattr(decode, "_num_sms", lambda device: 1)  # every grid is then several waves
     lens = [int(n) for n in rng.integers(0, 300, num_seqs)]
     lens[: min(num_seqs, 4)] = [299, 0, 299, 1][: min(num_seqs, 4)]  # ties and an empty sequence
-    p = make_problem(rng, lens, num_heads=4, num_kv_heads=4, head_size=64, dtype="bf16", bias="dense",
+    p = make_problem(rng, lens, num_heads=4, num_kv_heads=4, head_size=64, dtype="bf16", bias=bias,
                      bias_dtype="bf16", alibi=True, spare_blocks=1, extra_table_cols=0)
     results = {}
     for order in (True, False):
