@@ -41,11 +41,18 @@ DEPENDENT_REDUCE = True
 #: 7.7 us without a bias, 8.6 -> 7.9-8.0 dense. Split grids only: unsplit ones of several waves ran 0.6-1 % slower
 #: launched so (B64 H16 d64 L2048, ragged lengths, B8 long ragged). False: plain launches (A/B runs).
 DEPENDENT_ATTENTION = True
-#: An unsplit FP32 grid of more than one wave over 2 to 256 sequences takes them longest first (``seq_of_rank`` in
-#: paged_decode.cu): the hardware starts CTAs in index order, so the last wave then holds the shortest sequences and
-#: the grid ends evenly. False: sequences in index order (A/B runs).
+#: An unsplit decode grid of more than one wave over 2 to 256 sequences takes them longest first (``seq_of_rank``
+#: in common.cuh; the FP32 and the tensor-core kernels): the hardware starts CTAs in index order, so the last wave
+#: then holds the shortest sequences and the grid ends evenly. False: sequences in index order (A/B runs).
 LONGEST_FIRST = True
-_MAX_LONGEST_FIRST_SEQS = _THREADS  # kMaxLongestFirstSeqs: one sequence per thread of the ranking
+_MAX_LONGEST_FIRST_SEQS = 256  # kMaxLongestFirstSeqs: the sequences one CTA ranks
+
+
+def _longest_first(num_seqs: int, ctas: int, slots: int) -> bool:
+    """Whether a grid of ``ctas`` CTAs in all (every partition's), ``slots`` of which the SMs hold at once, runs its
+    sequences longest first: 2 to 256 sequences, more than one wave. Only a grid of more than one wave gains from
+    the order."""
+    return LONGEST_FIRST and 2 <= num_seqs <= _MAX_LONGEST_FIRST_SEQS and ctas > slots
 
 
 @functools.cache
@@ -157,12 +164,14 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int,
         # paged_prefill.cu), and per partition in z.
         rows = _compile.decode_rows(p.group_size)
         ctas = p.num_seqs * -(-p.group_size // rows) * p.num_kv_heads
+        resident = _compile.decode_ctas_per_sm(p.head_size, rows)
         tokens_per_part, parts = split_keys(ctas, p.max_len, num_sms, _compile.prefill_tile_keys(p.head_size, rows),
-                                            resident=_compile.decode_ctas_per_sm(p.head_size, rows))
+                                            resident=resident)
         spec = _compile.PrefillSpec(p.dtype, p.head_size, p.kv_layout, p.bias.mode, rows)
         reduce_grid = (ctas, 1, _compile.reduce_chunks(rows, p.head_size, parts))
         return DecodeLaunch(spec, (ctas, 1, parts), tokens_per_part, parts, spec.threads, spec.smem_bytes,
-                            reduce_grid, _compile.PREFILL_REDUCE_THREADS)
+                            reduce_grid, _compile.PREFILL_REDUCE_THREADS,
+                            _longest_first(p.num_seqs, ctas * parts, resident * num_sms))
     hg = heads_per_cta(p.group_size)
     chunks = -(-p.group_size // hg)
     tokens_per_part, parts = split_keys(p.num_seqs * p.num_kv_heads * chunks, p.max_len, num_sms, _TILE_MULTIPLE)
@@ -171,9 +180,9 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int,
     if parts > 1 and smem_per_sm is not None:
         smem = occupancy_smem(smem, _SPLIT_CTAS_PER_SM, smem_per_sm)
     ctas = p.num_seqs * p.num_kv_heads * chunks
-    # Only a grid of more than one wave (more CTAs than the register budget lets the SMs hold) gains from the order.
-    longest_first = (LONGEST_FIRST and parts == 1 and 2 <= p.num_seqs <= _MAX_LONGEST_FIRST_SEQS
-                     and ctas > spec.max_ctas_per_sm * num_sms)
+    # Unsplit grids only: the FP32 kernel's split grids run at most _SPLIT_CTAS_PER_SM per SM, and were not measured
+    # ordered.
+    longest_first = parts == 1 and _longest_first(p.num_seqs, ctas, spec.max_ctas_per_sm * num_sms)
     return DecodeLaunch(spec, (ctas, 1, parts), tokens_per_part, parts, _THREADS, smem, (p.num_seqs, p.num_heads, 1),
                         _REDUCE_THREADS, longest_first)
 
@@ -299,7 +308,7 @@ def _kernel_arguments(p: _checks.DecodeProblem, launch: DecodeLaunch) -> list[tu
         ("alibi_slopes", null), ("scale", np.float32(p.scale)), ("group_size", i32(p.group_size)),
         *((("causal", i32(0)),) if tc else ()),
         ("tokens_per_part", i32(launch.tokens_per_part)), ("num_parts", i32(launch.num_parts)),
-        *(() if tc else (("longest_first", i32(launch.longest_first)),)),
+        ("longest_first", i32(launch.longest_first)),
     ]
 
 

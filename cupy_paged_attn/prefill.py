@@ -111,7 +111,7 @@ def _launch(problem: _checks.PrefillProblem, launch: PrefillLaunch, out: Any, ti
             ptr(tables), i64(_checks.element_strides(tables)[0]), seq_lens, i32(p.max_len), i32(p.q_limit),
             *bias.kernel_args(), alibi,
             np.float32(p.scale), i32(p.group_size), i32(p.causal), i32(launch.tokens_per_part),
-            i32(launch.num_parts),
+            i32(launch.num_parts), i32(0),  # longest_first: decode only
         ),
         stream=stream,
         shared_mem=launch.spec.smem_bytes,

@@ -81,42 +81,6 @@ struct DecodeLayout {
 };
 
 // ---------------------------------------------------------------------------------------------------------------
-// Longest first. The hardware starts a grid's CTAs in index order, so a grid of several waves over sequences of
-// unequal length ends with CTAs of any length running while fewer and fewer others keep the memory busy. With
-// longest_first, the CTA row r (blockIdx.x / CTAs per sequence) takes the sequence of rank r in decreasing length
-// (ties by index): the longest start first and the last wave holds the shortest, which end together.
-// Every CTA ranks the same clamped lengths, so the ranks are a permutation of the sequences. One sequence per
-// thread (num_seqs <= kDecodeThreads) counts the sequences before its own in broadcast reads of shared memory.
-// lens_s: kDecodeThreads + 4 ints of shared memory, 16-byte aligned, free until the caller's next barrier; the
-// sequence is also left in *seq_out. The caller's cp.async copies issued before the call have landed, visible to the
-// whole CTA, when it returns.
-// ---------------------------------------------------------------------------------------------------------------
-constexpr int kMaxLongestFirstSeqs = kDecodeThreads;
-
-__device__ __forceinline__ int seq_of_rank(const int* __restrict__ seq_lens, int num_seqs, int max_len, int rank,
-                                           int* lens_s, volatile int* seq_out) {
-  const int t = threadIdx.x;
-  const int padded = (num_seqs + 3) & ~3;
-  // Lengths are >= 0; a padding entry of -1 is neither longer nor as long as any.
-  const int mine = t < num_seqs ? clamped_len(seq_lens, t, max_len) : -1;
-  if (t < padded) lens_s[t] = mine;
-  __syncthreads();  // every sequence's length is in shared memory before any thread ranks its own
-  if (t < num_seqs) {
-    int before = 0;  // sequences before t in the order: longer, or as long with a lower index
-#pragma unroll 8
-    for (int u = 0; u < padded; u += 4) {  // unrolled: eight loads in flight, not one at a time
-      const int4 l4 = *reinterpret_cast<const int4*>(lens_s + u);
-      before += (l4.x > mine || (l4.x == mine && u < t)) + (l4.y > mine || (l4.y == mine && u + 1 < t)) +
-                (l4.z > mine || (l4.z == mine && u + 2 < t)) + (l4.w > mine || (l4.w == mine && u + 3 < t));
-    }
-    if (before == rank) *seq_out = t;
-  }
-  cp_async_wait<0>();
-  __syncthreads();  // the sequence of this CTA's rank, and every thread's copies, are in shared memory
-  return *seq_out;
-}
-
-// ---------------------------------------------------------------------------------------------------------------
 // The attention kernel. Template parameters: storage dtype T, head size HEAD, cache LAYOUT, HG = query heads per
 // CTA (1, 2, 4 or 8), Bias = NoBias, DenseBias, RaggedBias or T5Bias (common.cuh). The page size is a run-time
 // power of two (block_shift).
@@ -197,8 +161,8 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
     const int num_ids = ((min(start + kAhead * TILE, max_len) - 1) >> block_shift) - first_base + 1;  // <= 256
     if (tid < num_ids) cp_async4(ids_s + tid, first_ids + first_base + tid);
     cp_async_commit();
-    s = seq_of_rank(seq_lens, static_cast<int>(gridDim.x) / (num_kv_heads * num_chunks), max_len, row, lens_s,
-                    Bias::kNearTable ? seq_s : lens_s + kMaxLongestFirstSeqs);
+    s = seq_of_rank<kDecodeThreads>(seq_lens, static_cast<int>(gridDim.x) / (num_kv_heads * num_chunks), max_len,
+                                    row, lens_s, Bias::kNearTable ? seq_s : lens_s + kMaxLongestFirstSeqs);
     if (s == row) {
       first_ids = ids_s;
     } else {

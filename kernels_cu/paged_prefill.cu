@@ -98,7 +98,8 @@ __device__ __forceinline__ int2 query_rows(const int* query_start_loc, int s, in
 // query row q0 and q_len, and the KV head. Prefill: blockIdx.x is a tile of the plan's tile_info (last first),
 // blockIdx.y the KV head. Decode passes no query_start_loc: one query row per sequence (row s), ceil(G / rows) M tiles per
 // sequence, and blockIdx.x = (s·tiles + tile)·num_kv_heads + kvh, so that the CTAs of one sequence run side by
-// side (a RaggedBias row holds every head of a key: each sector is then fetched once, not once per KV head).
+// side (a RaggedBias row holds every head of a key: each sector is then fetched once, not once per KV head). With
+// longest_first the kernel then takes the sequence of rank s instead (seq_of_rank, common.cuh).
 struct CtaRows {
   int s, tile, q0, q_len, kvh;
 };
@@ -281,7 +282,8 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
     const void* bias_ptr, const int* bias_index, long long bias_stride_0, long long bias_stride_1,
     long long bias_stride_2, long long bias_stride_3, int bias_dtype, int bias_n, int bias_m,  // BiasArgs
     const float* __restrict__ alibi_slopes,  // [num_heads] or null
-    float scale, int group_size, int causal, int tokens_per_part, int num_parts) {
+    float scale, int group_size, int causal, int tokens_per_part, int num_parts,
+    int longest_first) {  // decode: nonzero, the CTAs of row r take the r-th longest sequence (seq_of_rank)
   using L = PrefillLayout<T, HEAD, DECODE_ROWS, WG>;
   using Cache = PagedCache<T, HEAD, LAYOUT>;
 #if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -309,12 +311,37 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
   float* rel_s = reinterpret_cast<float*>(page_s + PAGE_BUFFERS * TILE_N);            // [REL_TABLE]
   float* far_s = rel_s + REL_TABLE;                                                   // [2][ROWS]
 
-  const CtaRows cta = cta_rows(tile_info, query_start_loc, total_q, group_size, num_kv_heads, ROWS);
+  CtaRows cta = cta_rows(tile_info, query_start_loc, total_q, group_size, num_kv_heads, ROWS);
+  const int part = blockIdx.z;
+  const int kstart = part * tokens_per_part;
+  // Where the first tiles' block ids are read (load_id before the loop: ids[i − ids_base] is block id i): the block
+  // table, or in decode with longest_first and a sequence that is the row's own (a batch already longest first,
+  // equal lengths included) the copy of the row's first ids that travelled to shared memory while the CTA ranked.
+  const int* first_ids = nullptr;
+  int first_base = 0;
+  if constexpr (L::kDecode) {
+    if (longest_first) {  // the same for every thread of the CTA
+      // The ranking's lengths, then the row's first ids, live in the last K/V stage, which no copy writes before
+      // the loop's first barrier (the prologue fills stages 0 ... AHEAD − 1).
+      int* lens_s = reinterpret_cast<int*>(kv_s + (STAGES - 1) * 2 * TILE_N * ROW);
+      int* ids_s = lens_s + kMaxLongestFirstSeqs + 4;
+      static_assert(STAGES == AHEAD + 1 && (kMaxLongestFirstSeqs + 4 + (AHEAD + 1) * TILE_N) * 4 <=
+                                               2 * TILE_N * ROW * kVecBytes, "room to rank in the last stage");
+      const int row = cta.s;
+      const int* row_ids = block_tables + row * block_table_stride;
+      first_base = kstart >> block_shift;
+      const int num_ids = ((min(kstart + (AHEAD + 1) * TILE_N, max_len) - 1) >> block_shift) - first_base + 1;
+      for (int i = threadIdx.x; i < num_ids; i += L::THREADS) cp_async4(ids_s + i, row_ids + first_base + i);
+      cp_async_commit();
+      cta.s = cta.q0 = seq_of_rank<L::THREADS>(seq_lens, total_q, max_len, row, lens_s,
+                                               lens_s + kMaxLongestFirstSeqs);
+      if (cta.s == row) first_ids = ids_s;
+    }
+  }
   const int s = cta.s;
   if (s < 0) return;  // a spare tile of the host-sized grid (uniform over the CTA: no barrier is skipped)
   const int m0 = cta.tile * ROWS;  // first packed row of this CTA
   const int kvh = cta.kvh;
-  const int part = blockIdx.z;
   const int G = group_size;
   const int tid = threadIdx.x;
   const int warp = tid / kWarpSize;
@@ -331,7 +358,6 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
   const int len = seq_bias.limit(clamped_len(seq_lens, s, max_len));
   const int pos0 = len - q_len;  // absolute position of query row 0
   const int rows_total = q_len * G;
-  const int kstart = part * tokens_per_part;
   const int kend = min(kstart + tokens_per_part, len);
 
   // Rows of the whole CTA: the last one written, and the position span (for the causal key range, T5's table).
@@ -414,6 +440,10 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
 
   const Cache cache{key_cache, value_cache, cache_block_stride, num_kv_heads, block_shift};
   const int* table = block_tables + s * block_table_stride;
+  if (first_ids == nullptr) {
+    first_ids = table;
+    first_base = 0;
+  }
   const int block_mask = (1 << block_shift) - 1;
 
   // Vector c of key t of stage st: padded rows, or the Hopper tiling's swizzled blocks (wgmma.cuh). (The padded
@@ -470,11 +500,11 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
   // iteration u, so AHEAD + 2 buffers never collide. Each copy is then one shared load and two 64-bit adds.
   int pending_blk = 0;
   bool pending_in = false;
-  auto load_id = [&](int t0) {
+  auto load_id = [&](const int* ids, int ids_base, int t0) {
     if (tid < TILE_N) {
       const int j = t0 + tid;
       pending_in = j < loop_end;
-      pending_blk = pending_in ? table[j >> block_shift] : 0;
+      pending_blk = pending_in ? ids[(j >> block_shift) - ids_base] : 0;
     }
   };
   auto store_page = [&](int u, int t0) {
@@ -600,7 +630,7 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
   if (num_tiles > 0) {  // (uniform over the CTA)
 #pragma unroll
     for (int u = 0; u <= AHEAD; ++u) {
-      load_id(kstart + u * TILE_N);
+      load_id(first_ids, first_base, kstart + u * TILE_N);
       store_page(u, kstart + u * TILE_N);
     }
     __syncthreads();  // the first tiles' page offsets are visible to every thread's copies
@@ -683,7 +713,7 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
       // with the previous tile, whose stage the copies issued next overwrite. Also: are all keys of it in the cache?
       const bool tile_ok = __syncthreads_and((ok_bits >> (tile % 32)) & 1u);
       issue_tile(tile + AHEAD);
-      if (tile + AHEAD + 1 < num_tiles) load_id(t0 + (AHEAD + 1) * TILE_N);
+      if (tile + AHEAD + 1 < num_tiles) load_id(table, 0, t0 + (AHEAD + 1) * TILE_N);
 
       // Hopper: every warpgroup computes every tile (its wgmmas are collective, and ptxas serialises them when it
       // cannot prove a branch around them uniform); keys past a row's end are masked.
@@ -1085,7 +1115,8 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_simt(
     const void* bias_ptr, const int* bias_index, long long bias_stride_0, long long bias_stride_1,
     long long bias_stride_2, long long bias_stride_3, int bias_dtype, int bias_n, int bias_m,
     const float* __restrict__ alibi_slopes,
-    float scale, int group_size, int causal, int tokens_per_part, int num_parts) {
+    float scale, int group_size, int causal, int tokens_per_part, int num_parts,
+    int longest_first) {  // (the tensor-core kernel's parameter list; prefill passes 0, and so this kernel ignores it)
   using Cache = PagedCache<T, HEAD, LAYOUT>;
   constexpr int DPL = (HEAD + kWarpSize - 1) / kWarpSize;  // head_size elements per lane
   constexpr int VEC = Cache::VEC;

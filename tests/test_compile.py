@@ -80,25 +80,29 @@ def test_split_planning(rng, seq_lens, heads, expect_split):
      (257, (4, 4), 64, 132, True, False),      # one more
      (1, (16, 16), 64, 1, True, False),        # nothing to order
      (33, (16, 16), 64, 132, True, False),     # 528 CTAs: one wave
-     (64, (32, 8), 128, 132, True, False),     # the tensor cores (bf16, group 4)
-     (2, (16, 16), 64, 4, True, True)],        # a small GPU
+     (2, (16, 16), 64, 4, True, True),         # a small GPU
+     # The tensor cores (bf16): group 4, 8 rows per CTA, three CTAs per SM (396 on 132 SMs).
+     (64, (32, 8), 128, 132, True, True),      # 512 CTAs
+     (64, (32, 8), 128, 132, False, False),    # the switch off
+     (49, (32, 8), 128, 132, True, False),     # 392 CTAs: one wave
+     (256, (8, 2), 64, 132, True, True),       # the most sequences one ranking takes
+     (257, (8, 2), 64, 132, True, False),      # one more
+     (200, (32, 2), 128, 132, True, True)],    # group 16: 16 rows per CTA, two per SM (400 CTAs, 264 resident)
 )
 @pytest.mark.parametrize("bias", ["none", "dense", "ragged", "t5-causal"])
 def test_longest_first_planning(rng, monkeypatch, num_seqs, heads, head_size, num_sms, switch, expect, bias):
-    """Unsplit FP32 grids of more than one wave over 2 to 256 sequences take them longest first, whatever the
-    bias."""
+    """Unsplit grids of more than one wave over 2 to 256 sequences take them longest first, on either kernel and
+    whatever the bias; the kernel argument says so."""
     monkeypatch.setattr(decode, "LONGEST_FIRST", switch)
     p = make_problem(rng, [1] * (num_seqs - 1) + [2048], num_heads=heads[0], num_kv_heads=heads[1],
                      head_size=head_size, dtype="bf16", bias=bias, bias_dtype="bf16", extra_table_cols=0,
                      spare_blocks=0)
     problem = _checks.check_decode(*p.args(), **p.kwargs(), out=None)
     launch = decode.plan_decode(problem, num_sms=num_sms)
+    assert launch.tensor_cores == (heads[0] > heads[1])
     assert launch.longest_first == expect
-    assert not (launch.longest_first and (launch.num_parts > 1 or launch.tensor_cores))
-    args = dict(decode._kernel_arguments(problem, launch))
-    assert ("longest_first" in args) != launch.tensor_cores
-    if not launch.tensor_cores:
-        assert args["longest_first"] == np.int32(expect)
+    assert launch.num_parts == 1 or launch.tensor_cores  # the FP32 kernel orders unsplit grids only
+    assert dict(decode._kernel_arguments(problem, launch))["longest_first"] == np.int32(expect)
 
 
 @pytest.mark.parametrize("smem_per_sm", [(233472, 1024), (167936, 1024), (101376, 1024)])

@@ -169,23 +169,27 @@ def test_single_pass_and_split_k_agree(rng, monkeypatch):
 
 @pytest.mark.parametrize(("num_seqs", "bias"), [(2, "dense"), (37, "dense"), (256, "dense"), (37, "ragged"),
                                                 (37, "t5-causal"), (256, "t5-bidir")])
-def test_longest_first_order(rng, monkeypatch, num_seqs, bias):
+@pytest.mark.parametrize(("heads", "head_size"), [((4, 4), 64), ((8, 2), 64), ((32, 2), 128)],
+                         ids=["fp32-kernel", "tensor-cores-8-rows", "tensor-cores-16-rows"])
+def test_longest_first_order(rng, monkeypatch, num_seqs, bias, heads, head_size):
     """Sequences taken longest first (ties and an empty one among them) give what index order gives, bit for bit,
-    and the reference's answer, with each bias kind (T5's kernels reread the sequence from shared memory); every
-    output row is written (out poisoned). 256 sequences is the most one ranking takes. (Lengths past the block table
-    and negative ones: test_hostile_block_ids_and_lengths_stay_in_bounds, whose single-pass grids are ordered so
-    too.)"""
+    and the reference's answer, on the FP32 kernel and the tensor-core one (8 and 16 rows per CTA: 128 threads
+    rank two sequences each past 128), with each bias kind (T5's FP32 kernels reread the sequence from shared
+    memory); every output row is written (out poisoned). 256 sequences is the most one ranking takes. (Lengths past
+    the block table and negative ones: test_hostile_block_ids_and_lengths_stay_in_bounds, whose single-pass grids
+    are ordered so too.)"""
     monkeypatch.setattr(decode, "_num_sms", lambda device: 1)  # every grid is then several waves
     lens = [int(n) for n in rng.integers(0, 300, num_seqs)]
     lens[: min(num_seqs, 4)] = [299, 0, 299, 1][: min(num_seqs, 4)]  # ties and an empty sequence
-    p = make_problem(rng, lens, num_heads=4, num_kv_heads=4, head_size=64, dtype="bf16", bias=bias,
-                     bias_dtype="bf16", alibi=True, spare_blocks=1, extra_table_cols=0)
+    p = make_problem(rng, lens, num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size, dtype="bf16",
+                     bias=bias, bias_dtype="bf16", alibi=True, spare_blocks=1, extra_table_cols=0)
     results = {}
     for order in (True, False):
         monkeypatch.setattr(decode, "LONGEST_FIRST", order)
         args, kwargs = device_args(p, to_cupy)
-        plan = cpa.DecodePlan(*args, **kwargs)
-        assert plan.launch.longest_first == order and plan.launch.num_parts == 1
+        launch = cpa.DecodePlan(*args, **kwargs).launch
+        assert launch.longest_first == order and launch.tensor_cores == (heads[0] > heads[1])
+        assert launch.num_parts == 1
         results[order] = run_cupy(p)
     np.testing.assert_array_equal(results[True], results[False])
     assert_close(results[True], paged_attention_ref(*p.args(), **p.kwargs()), "bf16")
