@@ -131,15 +131,33 @@ def split_keys(ctas: int, max_len: int, num_sms: int, tile: int, resident: int |
 
     With ``resident`` (CTAs of the kernel that one SM holds at once), a grid smaller than one wave of
     ``resident · num_sms`` CTAs is split into as many partitions as still fit in that one wave: no second, partly
-    empty wave (the tensor-core decode kernel, whose CTAs each keep two tiles in flight)."""
+    empty wave (the tensor-core decode kernel, whose CTAs each keep two tiles in flight). A grid of more than one
+    wave whose last wave would hold less than half of the SMs' CTAs is split as :func:`tail_parts` says."""
     parts = 1
     most = max(1, -(-max_len // _MIN_PART_TOKENS))  # so partitions hold more than _MIN_PART_TOKENS / 2 keys
     if resident is not None:
         if 0 < ctas < resident * num_sms:
             parts = min(resident * num_sms // ctas, most)
+        else:
+            parts = min(tail_parts(ctas, resident * num_sms), most)
     elif 0 < ctas < _SPLIT_BELOW_CTAS_PER_SM * num_sms:
         parts = min(-(-_CTAS_PER_SM_TARGET * num_sms // ctas), most)
     return partitions(max_len, parts, tile)
+
+
+def tail_parts(ctas: int, slots: int) -> int:
+    """Partitions for a grid of ``ctas`` CTAs, ``slots`` of which the GPU runs at once: 1, unless the grid is
+    between one wave and one and a half, whose last wave holds less than half of the slots. Equal lengths then run
+    that last wave alone on a memory it cannot keep busy (H200, B64 H32/8 d128 L4096, 512 CTAs where 396 fit:
+    80 % of the copy bandwidth, 89-91 % split in two or three; benchmarks/NOTES.md, session 17). Such a grid takes
+    the 2 or 3 partitions whose last wave is the fuller (a whole wave counts as full); ties go to fewer."""
+    if not (slots < ctas and 2 * ctas < 3 * slots):
+        return 1
+
+    def last_wave(parts: int) -> int:
+        return ctas * parts % slots or slots
+
+    return max((2, 3), key=last_wave)
 
 
 def partitions(max_len: int, parts: int, tile: int) -> tuple[int, int]:

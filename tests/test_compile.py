@@ -82,9 +82,10 @@ def test_split_planning(rng, seq_lens, heads, expect_split):
      (33, (16, 16), 64, 132, True, False),     # 528 CTAs: one wave
      (2, (16, 16), 64, 4, True, True),         # a small GPU
      # The tensor cores (bf16): group 4, 8 rows per CTA, three CTAs per SM (396 on 132 SMs).
-     (64, (32, 8), 128, 132, True, True),      # 512 CTAs
+     (64, (32, 8), 128, 132, True, True),      # 512 CTAs: 1.3 waves, split in three (tail_parts)
      (64, (32, 8), 128, 132, False, False),    # the switch off
      (49, (32, 8), 128, 132, True, False),     # 392 CTAs: one wave
+     (128, (32, 8), 128, 132, True, True),     # 1024 CTAs: 2.6 waves, unsplit
      (256, (8, 2), 64, 132, True, True),       # the most sequences one ranking takes
      (257, (8, 2), 64, 132, True, False),      # one more
      (200, (32, 2), 128, 132, True, True)],    # group 16: 16 rows per CTA, two per SM (400 CTAs, 264 resident)
@@ -103,6 +104,40 @@ def test_longest_first_planning(rng, monkeypatch, num_seqs, heads, head_size, nu
     assert launch.longest_first == expect
     assert launch.num_parts == 1 or launch.tensor_cores  # the FP32 kernel orders unsplit grids only
     assert dict(decode._kernel_arguments(problem, launch))["longest_first"] == np.int32(expect)
+
+
+@pytest.mark.parametrize("slots", [396, 264, 3])
+@pytest.mark.parametrize("wave", [0.5, 1.0, 1.001, 1.1, 1.29, 1.45, 1.5, 2.0, 2.2, 2.59])
+def test_tail_parts(slots, wave):
+    """Only a grid of between one and one and a half waves splits, into the 2 or 3 partitions whose last wave is the
+    fuller; split, it still fills at least one wave and never more than 4.5."""
+    ctas = max(1, round(wave * slots))
+    parts = decode.tail_parts(ctas, slots)
+    if not slots < ctas < 1.5 * slots:
+        assert parts == 1
+        return
+    assert parts in (2, 3)
+    last = {p: ctas * p % slots or slots for p in (2, 3)}
+    assert last[parts] == max(last.values()) and (last[2] < last[3] or parts == 2)
+
+
+@pytest.mark.parametrize(("batch", "max_len", "parts"), [(64, 4096, 3), (64, 2048, 3), (64, 256, 2), (64, 128, 1),
+                                                         (128, 4096, 1), (32, 8192, 1)])
+def test_tensor_core_tail_split_planning(rng, batch, max_len, parts):
+    """B64 H32/8 d128 on 132 SMs is 512 CTAs where 396 fit: split in three (two where the keys allow no more: at
+    most one partition per _MIN_PART_TOKENS keys, rounded up). B128 (2.6 waves) stays whole; B32 (256 CTAs, less
+    than a wave) splits as before, within one wave."""
+    p = make_problem(rng, [max_len] * batch, num_heads=32, num_kv_heads=8, head_size=128, dtype="bf16",
+                     extra_table_cols=0, spare_blocks=0)
+    problem = _checks.check_decode(*p.args(), scale=None, attn_bias=None, alibi_slopes=None, kv_layout="nhd",
+                                   out=None)
+    launch = decode.plan_decode(problem, num_sms=132)
+    assert launch.tensor_cores and launch.grid == (batch * 8, 1, launch.num_parts)
+    if batch == 32:
+        assert launch.grid[0] * launch.num_parts <= 396 and not launch.longest_first
+        return
+    assert launch.num_parts == parts and launch.longest_first
+    assert (launch.num_parts - 1) * launch.tokens_per_part < max_len <= launch.num_parts * launch.tokens_per_part
 
 
 @pytest.mark.parametrize("smem_per_sm", [(233472, 1024), (167936, 1024), (101376, 1024)])

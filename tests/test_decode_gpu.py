@@ -13,7 +13,7 @@ import pytest
 from helpers import BIAS_KINDS, DTYPES, assert_close, convert_bias, dense_attention, hostile_t5_bias, make_problem
 
 import cupy_paged_attn as cpa
-from cupy_paged_attn import decode
+from cupy_paged_attn import _compile, decode
 from cupy_paged_attn.reference import paged_attention_ref, to_numpy
 
 pytestmark = pytest.mark.gpu
@@ -189,7 +189,33 @@ def test_longest_first_order(rng, monkeypatch, num_seqs, bias, heads, head_size)
         args, kwargs = device_args(p, to_cupy)
         launch = cpa.DecodePlan(*args, **kwargs).launch
         assert launch.longest_first == order and launch.tensor_cores == (heads[0] > heads[1])
-        assert launch.num_parts == 1
+        assert launch.num_parts == 1 or launch.tensor_cores  # (2 sequences on the tensor cores: a tail split)
+        results[order] = run_cupy(p)
+    np.testing.assert_array_equal(results[True], results[False])
+    assert_close(results[True], paged_attention_ref(*p.args(), **p.kwargs()), "bf16")
+
+
+@pytest.mark.parametrize(("num_seqs", "bias"), [(37, "dense"), (37, "ragged"), (256, "t5-bidir"), (150, "none")])
+@pytest.mark.parametrize(("heads", "head_size"), [((8, 2), 64), ((32, 2), 128)], ids=["8-rows", "16-rows"])
+def test_longest_first_tail_split(rng, monkeypatch, num_seqs, bias, heads, head_size):
+    """A tensor-core grid of between one wave and one and a half is split (decode.tail_parts) and still taken longest
+    first: each partition's CTAs rank the sequences, whose block ids then start past the partition's first key. The
+    same bits as index order, the reference's answer, every row written."""
+    rows = _compile.decode_rows(heads[0] // heads[1])
+    resident = _compile.decode_ctas_per_sm(head_size, rows)
+    ctas = num_seqs * heads[1] * -(-(heads[0] // heads[1]) // rows)
+    sms = max(1, int(ctas / (1.25 * resident)))  # about 1.25 waves
+    monkeypatch.setattr(decode, "_num_sms", lambda device: sms)
+    lens = [int(n) for n in rng.integers(0, 700, num_seqs)]
+    lens[:4] = [699, 0, 699, 1]
+    p = make_problem(rng, lens, num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size, dtype="bf16",
+                     bias=bias, bias_dtype="bf16", alibi=True, spare_blocks=1, extra_table_cols=0)
+    results = {}
+    for order in (True, False):
+        monkeypatch.setattr(decode, "LONGEST_FIRST", order)
+        args, kwargs = device_args(p, to_cupy)
+        launch = cpa.DecodePlan(*args, **kwargs).launch
+        assert launch.tensor_cores and launch.num_parts in (2, 3) and launch.longest_first == order
         results[order] = run_cupy(p)
     np.testing.assert_array_equal(results[True], results[False])
     assert_close(results[True], paged_attention_ref(*p.args(), **p.kwargs()), "bf16")
