@@ -184,6 +184,9 @@ CASES = (
     # Widely spread lengths, as a serving batch has them (the grid's tail: decode.LONGEST_FIRST).
     Case(64, 16, 16, 64, 8192, min_len=128),
     Case(128, 8, 8, 128, 4096, min_len=64),
+    # The same, grouped queries (the tensor-core decode: 512 and 1024 CTAs where an H200 holds 396).
+    Case(64, 32, 8, 128, 8192, min_len=128),
+    Case(128, 32, 8, 128, 4096, min_len=64),
 )
 
 

@@ -19,9 +19,10 @@ graphs over ``--sets`` input sets, median of ``--reps``), each printing a table:
     The ragged-length MHA case (B64 H16/16 d64 L 1024-2048) and the B64 L2048 case with the keys split into 1-4
     partitions (``decode._CTAS_PER_SM_TARGET``) and split grids capped at 3 or 4 CTAs per SM.
 ``gqa-split``
-    The grouped-query cases of the tensor-core kernel (B32 H32/8 d128 L8192, B16 H32/8 d128 L16384 fp16) with their
-    keys forced into a given number of partitions (``decode.split_keys`` replaced): B32's 256 CTAs run unsplit, two
-    per SM on most SMs where three fit.
+    The grouped-query cases of the tensor-core kernel (B32 H32/8 d128 L8192, B16 H32/8 d128 L16384 fp16, the two
+    widely spread ones, and two of equal lengths in more than one wave) with their keys forced into a given number
+    of partitions (``decode.split_keys`` replaced): B32's 256 CTAs run unsplit, two per SM on most SMs where three
+    fit; B64 H32/8 d128 L4096's 512 CTAs make 1.3 waves of the 396 that an H200 holds.
 
 Run on a GPU machine: ``PYTHONPATH=. python3 benchmarks/decode_probe.py [floor] [bias-layout] [split] [gqa-split]``.
 """
@@ -327,9 +328,10 @@ def heads_inner(bias: Any) -> Any:
     return bias.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def build(index: int, args: argparse.Namespace) -> tuple[bd.Case, list[bd.InputSet]]:
-    """bench_decode's inputs of case ``index`` (its seed and set count)."""
-    case = bd.CASES[index]
+def build(index: int, args: argparse.Namespace, case: bd.Case | None = None) -> tuple[bd.Case, list[bd.InputSet]]:
+    """bench_decode's inputs of case ``index`` (its seed and set count); with ``case``, that case's inputs, drawn
+    with the seed of ``index``."""
+    case = bd.CASES[index] if case is None else case
     seq_lens = bd.draw_seq_lens(case, args.seed + index)
     sets, _ = bd.build_inputs(case, seq_lens, case.num_sets(args.sets), args.seed + index)
     for s in sets:
@@ -420,7 +422,10 @@ def split(args: argparse.Namespace, timer: bd.Timer) -> list[tuple[str, str, flo
     return table
 
 
-GQA_SPLIT_CASES = {3: (1, 2, 3, 4, 6), 5: (3, 6, 9)}  # case -> partitions
+GQA_SPLIT_CASES = {3: (1, 2, 3, 4, 6), 5: (3, 6, 9), 11: (2, 3), 12: (2, 3)}  # case -> partitions
+#: Grids of more than one wave with equal lengths (the H200 holds 396 CTAs of these): probe-only cases, their seeds
+#: those of indices past bench_decode's.
+GQA_WAVE_CASES = ((bd.Case(64, 32, 8, 128, 4096), (2, 3, 4)), (bd.Case(128, 32, 8, 128, 2048), (2, 3)))
 
 
 def gqa_split(args: argparse.Namespace, timer: bd.Timer) -> list[tuple[str, str, float]]:
@@ -436,8 +441,13 @@ def gqa_split(args: argparse.Namespace, timer: bd.Timer) -> list[tuple[str, str,
 
     table = []
     try:
-        for index, part_counts in GQA_SPLIT_CASES.items():
-            case, sets = build(index, args)
+        extra = {len(bd.CASES) + i: case_parts for i, case_parts in enumerate(GQA_WAVE_CASES)}
+        todo = [(i, None, parts) for i, parts in GQA_SPLIT_CASES.items()]
+        todo += [(i, case, parts) for i, (case, parts) in extra.items()]
+        for index, extra_case, part_counts in todo:
+            if args.gqa_cases is not None and index not in args.gqa_cases:
+                continue
+            case, sets = build(index, args, extra_case)
             for parts in (0, *part_counts):
                 decode.split_keys = saved if parts == 0 else forced(parts)
                 decode._PLANS.__dict__.pop("plans", None)  # plans are keyed by shapes, not by the split
@@ -463,6 +473,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sets", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bias-cases", type=bd.parse_case_indices, default=list(BIAS_CASES))
+    parser.add_argument("--gqa-cases", type=lambda text: [int(i) for i in text.split(",")], default=None,
+                        help="gqa-split: the cases to run, by index (bench_decode's, then GQA_WAVE_CASES after them)")
     args = parser.parse_args(argv)
     try:
         import torch

@@ -149,7 +149,7 @@ def tail_parts(ctas: int, slots: int) -> int:
     """Partitions for a grid of ``ctas`` CTAs, ``slots`` of which the GPU runs at once: 1, unless the grid is
     between one wave and one and a half, whose last wave holds less than half of the slots. Equal lengths then run
     that last wave alone on a memory it cannot keep busy (H200, B64 H32/8 d128 L4096, 512 CTAs where 396 fit:
-    80 % of the copy bandwidth, 89-91 % split in two or three; benchmarks/NOTES.md, session 17). Such a grid takes
+    80 % of the copy bandwidth, 90-92 % split in two or three; benchmarks/NOTES.md, session 17). Such a grid takes
     the 2 or 3 partitions whose last wave is the fuller (a whole wave counts as full); ties go to fewer."""
     if not (slots < ctas and 2 * ctas < 3 * slots):
         return 1

@@ -54,7 +54,7 @@ def test_dry_run_selection(bench):
     assert "floors at 1000 GB/s" in result.stdout
 
 
-@pytest.mark.parametrize("args", [["--peers", "sdpa,bogus"], ["--cases", "11"], ["--sets", "1"]])
+@pytest.mark.parametrize("args", [["--peers", "sdpa,bogus"], ["--cases", "13"], ["--sets", "1"]])
 def test_bad_options_exit_2(args):
     result = run_script("--dry-run", *args)
     assert result.returncode == 2
@@ -62,12 +62,12 @@ def test_bad_options_exit_2(args):
 
 
 def test_cases_and_sets(bench):
-    assert len(bench.CASES) == 11
+    assert len(bench.CASES) == 13
     long_cases = [(c.batch, c.num_heads, c.num_kv_heads, c.head_size, c.max_len) for c in bench.CASES[6:9]]
     assert long_cases == [(1, 32, 8, 128, 65536), (4, 32, 8, 128, 32768), (8, 16, 16, 64, 131072)]
     assert bench.CASES[8].min_len is not None, "the longest case is ragged"
-    assert [c.num_sets(4) for c in bench.CASES] == [4] * 6 + [2] * 3 + [4] * 2
-    assert len({c.name for c in bench.CASES}) == 11
+    assert [c.num_sets(4) for c in bench.CASES] == [4] * 6 + [2] * 3 + [4] * 4
+    assert len({c.name for c in bench.CASES}) == 13
 
 
 def test_floor_bytes(bench):
