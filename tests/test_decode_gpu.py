@@ -167,6 +167,28 @@ def test_single_pass_and_split_k_agree(rng, monkeypatch):
     assert_close(results["split"], paged_attention_ref(*p.args(), **p.kwargs()), "f32")
 
 
+def ranked_problem(rng, num_seqs, longest, heads, head_size, bias):
+    """A bf16 problem of ``num_seqs`` lengths below ``longest``, ties and an empty sequence among them, for the
+    longest-first tests."""
+    lens = [int(n) for n in rng.integers(0, longest, num_seqs)]
+    lens[: min(num_seqs, 4)] = [longest - 1, 0, longest - 1, 1][: min(num_seqs, 4)]
+    return make_problem(rng, lens, num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size, dtype="bf16",
+                        bias=bias, bias_dtype="bf16", alibi=True, spare_blocks=1, extra_table_cols=0)
+
+
+def assert_order_changes_nothing(monkeypatch, p, check_launch):
+    """Run ``p`` with ``decode.LONGEST_FIRST`` on and off, ``check_launch(launch, order)`` on each plan: the same bits
+    both ways, and the reference's answer (out poisoned: every row written)."""
+    results = {}
+    for order in (True, False):
+        monkeypatch.setattr(decode, "LONGEST_FIRST", order)
+        args, kwargs = device_args(p, to_cupy)
+        check_launch(cpa.DecodePlan(*args, **kwargs).launch, order)
+        results[order] = run_cupy(p)
+    np.testing.assert_array_equal(results[True], results[False])
+    assert_close(results[True], paged_attention_ref(*p.args(), **p.kwargs()), "bf16")
+
+
 @pytest.mark.parametrize(("num_seqs", "bias"), [(2, "dense"), (37, "dense"), (256, "dense"), (37, "ragged"),
                                                 (37, "t5-causal"), (256, "t5-bidir")])
 @pytest.mark.parametrize(("heads", "head_size"), [((4, 4), 64), ((8, 2), 64), ((32, 2), 128)],
@@ -179,20 +201,13 @@ def test_longest_first_order(rng, monkeypatch, num_seqs, bias, heads, head_size)
     the block table and negative ones: test_hostile_block_ids_and_lengths_stay_in_bounds, whose single-pass grids
     are ordered so too.)"""
     monkeypatch.setattr(decode, "_num_sms", lambda device: 1)  # every grid is then several waves
-    lens = [int(n) for n in rng.integers(0, 300, num_seqs)]
-    lens[: min(num_seqs, 4)] = [299, 0, 299, 1][: min(num_seqs, 4)]  # ties and an empty sequence
-    p = make_problem(rng, lens, num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size, dtype="bf16",
-                     bias=bias, bias_dtype="bf16", alibi=True, spare_blocks=1, extra_table_cols=0)
-    results = {}
-    for order in (True, False):
-        monkeypatch.setattr(decode, "LONGEST_FIRST", order)
-        args, kwargs = device_args(p, to_cupy)
-        launch = cpa.DecodePlan(*args, **kwargs).launch
+
+    def check_launch(launch, order):
         assert launch.longest_first == order and launch.tensor_cores == (heads[0] > heads[1])
         assert launch.num_parts == 1 or launch.tensor_cores  # (2 sequences on the tensor cores: a tail split)
-        results[order] = run_cupy(p)
-    np.testing.assert_array_equal(results[True], results[False])
-    assert_close(results[True], paged_attention_ref(*p.args(), **p.kwargs()), "bf16")
+
+    assert_order_changes_nothing(monkeypatch, ranked_problem(rng, num_seqs, 300, heads, head_size, bias),
+                                 check_launch)
 
 
 @pytest.mark.parametrize(("num_seqs", "bias"), [(37, "dense"), (37, "ragged"), (256, "t5-bidir"), (150, "none")])
@@ -206,19 +221,12 @@ def test_longest_first_tail_split(rng, monkeypatch, num_seqs, bias, heads, head_
     ctas = num_seqs * heads[1] * -(-(heads[0] // heads[1]) // rows)
     sms = max(1, int(ctas / (1.25 * resident)))  # about 1.25 waves
     monkeypatch.setattr(decode, "_num_sms", lambda device: sms)
-    lens = [int(n) for n in rng.integers(0, 700, num_seqs)]
-    lens[:4] = [699, 0, 699, 1]
-    p = make_problem(rng, lens, num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size, dtype="bf16",
-                     bias=bias, bias_dtype="bf16", alibi=True, spare_blocks=1, extra_table_cols=0)
-    results = {}
-    for order in (True, False):
-        monkeypatch.setattr(decode, "LONGEST_FIRST", order)
-        args, kwargs = device_args(p, to_cupy)
-        launch = cpa.DecodePlan(*args, **kwargs).launch
+
+    def check_launch(launch, order):
         assert launch.tensor_cores and launch.num_parts in (2, 3) and launch.longest_first == order
-        results[order] = run_cupy(p)
-    np.testing.assert_array_equal(results[True], results[False])
-    assert_close(results[True], paged_attention_ref(*p.args(), **p.kwargs()), "bf16")
+
+    assert_order_changes_nothing(monkeypatch, ranked_problem(rng, num_seqs, 700, heads, head_size, bias),
+                                 check_launch)
 
 
 @pytest.mark.parametrize(("q_dtype", "bias_dtype"), [("bf16", "f32"), ("bf16", "f16"), ("f16", "bf16"),
