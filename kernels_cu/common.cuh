@@ -274,6 +274,8 @@ __device__ __forceinline__ int seq_of_rank(const int* __restrict__ seq_lens, int
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
     const int me = t + k * THREADS;
+    // (Compared as a scalar: against the array element, NVVM made a branch of each ||, and the FP32 kernel's
+    // one-head T5 and ragged forms spilled 8 bytes.)
     const int len = mine[k];
     if (me < num_seqs) {  // (k > 0: uniform over the CTA when num_seqs <= THREADS)
       int before = 0;  // sequences before `me` in the order: longer, or as long with a lower index
