@@ -249,12 +249,28 @@ __device__ __forceinline__ int clamped_len(const int* seq_lens, int s, int max_l
 // end together. Every CTA ranks the same clamped lengths, so the ranks are a permutation of the sequences.
 // Each of the CTA's THREADS threads ranks kMaxLongestFirstSeqs / THREADS sequences (t, t + THREADS, ...): it counts
 // the sequences before its own in broadcast reads of shared memory, and the one of rank `rank` writes *seq_out.
-// lens_s: kMaxLongestFirstSeqs + 4 ints of shared memory, 16-byte aligned, free until the caller's next barrier.
-// Returns the sequence; the caller's cp.async copies issued before the call have then landed, visible to the whole
-// CTA.
 // ---------------------------------------------------------------------------------------------------------------
 constexpr int kMaxLongestFirstSeqs = 256;
 
+// Before the ranking, a CTA sends its first block ids on their way: num_ids (at most MAX_IDS) ids of the row's own
+// sequence, row_ids[0 ... num_ids), are copied by cp.async to ids_s (MAX_IDS ints of shared memory, free until the
+// caller's next barrier). The caller reads them when the ranked sequence is the row's own (a batch already longest
+// first, equal lengths included), with no second round trip to L2 after the ranking. (Its own call, not part of
+// seq_of_rank: issued before the caller works out seq_of_rank's arguments, the FP32 kernels' code stays as it was;
+// issued after, one of them spilled.)
+template <int THREADS, int MAX_IDS>
+__device__ __forceinline__ void copy_row_ids(const int* __restrict__ row_ids, int num_ids, int* ids_s) {
+#pragma unroll
+  for (int k = 0; k < (MAX_IDS + THREADS - 1) / THREADS; ++k) {
+    const int i = threadIdx.x + k * THREADS;
+    if (i < num_ids) cp_async4(ids_s + i, row_ids + i);
+  }
+  cp_async_commit();
+}
+
+// The ranking. lens_s: kMaxLongestFirstSeqs + 4 ints of shared memory, 16-byte aligned, free until the caller's next
+// barrier. Returns the sequence; copy_row_ids's copies, and any other cp.async the caller issued before, have then
+// landed, visible to the whole CTA.
 template <int THREADS>
 __device__ __forceinline__ int seq_of_rank(const int* __restrict__ seq_lens, int num_seqs, int max_len, int rank,
                                            int* lens_s, volatile int* seq_out) {

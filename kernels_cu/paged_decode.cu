@@ -158,9 +158,8 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
     static_assert(kStages >= 2 && (kMaxLongestFirstSeqs + 4 + kAhead * kMaxDecodeTile) * 4 <=
                                       2 * L::kStageVecs * kVecBytes, "room to rank");
     first_base = start >> block_shift;
-    const int num_ids = ((min(start + kAhead * TILE, max_len) - 1) >> block_shift) - first_base + 1;  // <= 256
-    if (tid < num_ids) cp_async4(ids_s + tid, first_ids + first_base + tid);
-    cp_async_commit();
+    const int num_ids = ((min(start + kAhead * TILE, max_len) - 1) >> block_shift) - first_base + 1;
+    copy_row_ids<kDecodeThreads, kAhead * kMaxDecodeTile>(first_ids + first_base, num_ids, ids_s);
     s = seq_of_rank<kDecodeThreads>(seq_lens, static_cast<int>(gridDim.x) / (num_kv_heads * num_chunks), max_len,
                                     row, lens_s, Bias::kNearTable ? seq_s : lens_s + kMaxLongestFirstSeqs);
     if (s == row) {

@@ -312,11 +312,10 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
   float* far_s = rel_s + REL_TABLE;                                                   // [2][ROWS]
 
   CtaRows cta = cta_rows(tile_info, query_start_loc, total_q, group_size, num_kv_heads, ROWS);
-  const int part = blockIdx.z;
-  const int kstart = part * tokens_per_part;
-  // Where the first tiles' block ids are read (load_id before the loop: ids[i − ids_base] is block id i): the block
-  // table, or in decode with longest_first and a sequence that is the row's own (a batch already longest first,
-  // equal lengths included) the copy of the row's first ids that travelled to shared memory while the CTA ranked.
+  // Decode: where the first tiles' block ids are read (load_id before the loop: first_ids[i − first_base] is block
+  // id i): the block table, or with longest_first and a sequence that is the row's own (a batch already longest
+  // first, equal lengths included) the copy of the row's first ids that travelled to shared memory while the CTA
+  // ranked. (Prefill reads the block table only: its code stays as it was, and so do its compile time and registers.)
   const int* first_ids = nullptr;
   int first_base = 0;
   if constexpr (L::kDecode) {
@@ -329,12 +328,11 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
                                                2 * TILE_N * ROW * kVecBytes, "room to rank in the last stage");
       const int row = cta.s;
       const int* row_ids = block_tables + row * block_table_stride;
-      first_base = kstart >> block_shift;
-      const int num_ids = ((min(kstart + (AHEAD + 1) * TILE_N, max_len) - 1) >> block_shift) - first_base + 1;
-      for (int i = threadIdx.x; i < num_ids; i += L::THREADS) cp_async4(ids_s + i, row_ids + first_base + i);
-      cp_async_commit();
-      cta.s = cta.q0 = seq_of_rank<L::THREADS>(seq_lens, total_q, max_len, row, lens_s,
-                                               lens_s + kMaxLongestFirstSeqs);
+      const int first_key = static_cast<int>(blockIdx.z) * tokens_per_part;  // kstart (below, where prefill has it)
+      first_base = first_key >> block_shift;
+      const int num_ids = ((min(first_key + (AHEAD + 1) * TILE_N, max_len) - 1) >> block_shift) - first_base + 1;
+      copy_row_ids<L::THREADS, (AHEAD + 1) * TILE_N>(row_ids + first_base, num_ids, ids_s);
+      cta.s = cta.q0 = seq_of_rank<L::THREADS>(seq_lens, total_q, max_len, row, lens_s, lens_s + kMaxLongestFirstSeqs);
       if (cta.s == row) first_ids = ids_s;
     }
   }
@@ -342,6 +340,7 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
   if (s < 0) return;  // a spare tile of the host-sized grid (uniform over the CTA: no barrier is skipped)
   const int m0 = cta.tile * ROWS;  // first packed row of this CTA
   const int kvh = cta.kvh;
+  const int part = blockIdx.z;
   const int G = group_size;
   const int tid = threadIdx.x;
   const int warp = tid / kWarpSize;
@@ -358,6 +357,7 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
   const int len = seq_bias.limit(clamped_len(seq_lens, s, max_len));
   const int pos0 = len - q_len;  // absolute position of query row 0
   const int rows_total = q_len * G;
+  const int kstart = part * tokens_per_part;
   const int kend = min(kstart + tokens_per_part, len);
 
   // Rows of the whole CTA: the last one written, and the position span (for the causal key range, T5's table).
@@ -440,7 +440,7 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
 
   const Cache cache{key_cache, value_cache, cache_block_stride, num_kv_heads, block_shift};
   const int* table = block_tables + s * block_table_stride;
-  if (first_ids == nullptr) {
+  if (first_ids == nullptr) {  // (decode: the ranked sequence is not the row's own, or no ranking)
     first_ids = table;
     first_base = 0;
   }
@@ -500,11 +500,15 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
   // iteration u, so AHEAD + 2 buffers never collide. Each copy is then one shared load and two 64-bit adds.
   int pending_blk = 0;
   bool pending_in = false;
-  auto load_id = [&](const int* ids, int ids_base, int t0) {
+  auto load_id = [&](bool first, int t0) {  // first: a tile of the prologue
     if (tid < TILE_N) {
       const int j = t0 + tid;
       pending_in = j < loop_end;
-      pending_blk = pending_in ? ids[(j >> block_shift) - ids_base] : 0;
+      if constexpr (L::kDecode) {
+        pending_blk = pending_in ? (first ? first_ids[(j >> block_shift) - first_base] : table[j >> block_shift]) : 0;
+      } else {
+        pending_blk = pending_in ? table[j >> block_shift] : 0;
+      }
     }
   };
   auto store_page = [&](int u, int t0) {
@@ -630,7 +634,7 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
   if (num_tiles > 0) {  // (uniform over the CTA)
 #pragma unroll
     for (int u = 0; u <= AHEAD; ++u) {
-      load_id(first_ids, first_base, kstart + u * TILE_N);
+      load_id(true, kstart + u * TILE_N);
       store_page(u, kstart + u * TILE_N);
     }
     __syncthreads();  // the first tiles' page offsets are visible to every thread's copies
@@ -713,7 +717,7 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
       // with the previous tile, whose stage the copies issued next overwrite. Also: are all keys of it in the cache?
       const bool tile_ok = __syncthreads_and((ok_bits >> (tile % 32)) & 1u);
       issue_tile(tile + AHEAD);
-      if (tile + AHEAD + 1 < num_tiles) load_id(table, 0, t0 + (AHEAD + 1) * TILE_N);
+      if (tile + AHEAD + 1 < num_tiles) load_id(false, t0 + (AHEAD + 1) * TILE_N);
 
       // Hopper: every warpgroup computes every tile (its wgmmas are collective, and ptxas serialises them when it
       // cannot prove a branch around them uniform); keys past a row's end are masked.
