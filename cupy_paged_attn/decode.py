@@ -198,8 +198,9 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int,
     if parts > 1 and smem_per_sm is not None:
         smem = occupancy_smem(smem, _SPLIT_CTAS_PER_SM, smem_per_sm)
     ctas = p.num_seqs * p.num_kv_heads * chunks
-    # Unsplit grids only: the FP32 kernel's split grids run at most _SPLIT_CTAS_PER_SM per SM, and were not measured
-    # ordered.
+    # Unsplit grids only: the hardware starts a split grid partition by partition (blockIdx.z last), so the order
+    # within each cannot change which CTAs make the last wave; ordered, the long ragged case (B8 H16 d64, 5
+    # partitions, 1.6 waves) ran 0.1-0.9 % slower (benchmarks/NOTES.md, session 18).
     longest_first = parts == 1 and _longest_first(p.num_seqs, ctas, spec.max_ctas_per_sm * num_sms)
     return DecodeLaunch(spec, (ctas, 1, parts), tokens_per_part, parts, _THREADS, smem, (p.num_seqs, p.num_heads, 1),
                         _REDUCE_THREADS, longest_first)
