@@ -23,8 +23,15 @@ graphs over ``--sets`` input sets, median of ``--reps``), each printing a table:
     widely spread ones, and two of equal lengths in more than one wave) with their keys forced into a given number
     of partitions (``decode.split_keys`` replaced): B32's 256 CTAs run unsplit, two per SM on most SMs where three
     fit; B64 H32/8 d128 L4096's 512 CTAs make 1.3 waves of the 396 that an H200 holds.
+``read-floor``
+    The read floor of whole cases (``--floor-cases``; by default the grouped-query ones and, to calibrate, the MHA
+    ones whose kernels are memory-bound): ``probe_stream`` reads exactly the bytes bench_decode counts for a case (its
+    K and V rows through the block table, with the dense bias the group's bias rows, q and out aside) and nothing
+    else, with 1 to 64 partitions per (sequence, KV head) of 256 threads, 8 loads of 16 bytes in flight per thread.
+    Its fastest partitioning is what a kernel doing no arithmetic achieves; beside it, ours, and ours over it.
 
-Run on a GPU machine: ``PYTHONPATH=. python3 benchmarks/decode_probe.py [floor] [bias-layout] [split] [gqa-split]``.
+Run on a GPU machine: ``PYTHONPATH=. python3 benchmarks/decode_probe.py [floor] [bias-layout] [split] [gqa-split]
+[read-floor]``.
 """
 
 from __future__ import annotations
@@ -175,6 +182,161 @@ extern "C" __global__ void probe_reduce(const float* __restrict__ part, float* _
   for (int p = 0; p < parts; ++p) s += part[(static_cast<long long>(p) * gridDim.x + h) * threads_per_part + d];
   out[h * head_size + d] = s;
 }
+// probe_stream: the fewest bytes of a whole decode grid, read as fast as this layout allows (the read floor of any
+// case, as the probes above are the latency case's). CTA (s, p, kvh) = blockIdx.x, KV heads fastest (as our grids):
+// the keys [p·chunk, min(len_s, (p + 1)·chunk)) of sequence s. Its page ids first, into shared memory (one round
+// trip), then every K and V vector of those keys (NVEC of 16 bytes per token row of head kvh in an NHD page), U of
+// each per thread in flight per step with no dependence between steps but the XOR, then, when bias_row_vecs > 0,
+// the 16-byte vectors of the group's bias rows [B, Hq, L] over the same keys (rounded up to whole vectors; L·2
+// bytes a multiple of 16). Writes one float per thread, as probe_read.
+template <int NVEC>
+__device__ void probe_stream_body(const uint4* __restrict__ key, const uint4* __restrict__ value,
+                                  const int* __restrict__ table, const int* __restrict__ seq_lens,
+                                  const uint4* __restrict__ bias, float* __restrict__ out, int num_kv_heads,
+                                  int group, int blocks_per_seq, int chunk, int parts, long long page_vecs,
+                                  int bias_row_vecs) {
+  constexpr int U = 4;
+  constexpr int kMaxIds = 2048;
+  __shared__ int ids[kMaxIds];
+  const int kvh = blockIdx.x % num_kv_heads;
+  const int p = blockIdx.x / num_kv_heads % parts;
+  const int s = blockIdx.x / num_kv_heads / parts;
+  const int start = p * chunk;
+  const int end = min(seq_lens[s], start + chunk);
+  unsigned x = 0u;
+  if (start < end) {
+    const int first = start >> 4;
+    const int count = min(((end - 1) >> 4) - first + 1, kMaxIds);
+    for (int i = threadIdx.x; i < count; i += blockDim.x) ids[i] = table[s * blocks_per_seq + first + i];
+    __syncthreads();  // every page id of the partition is in shared memory before any thread uses one
+    const int items = (end - start) * NVEC;
+    for (int base = 0; base < items; base += U * static_cast<int>(blockDim.x)) {
+      uint4 k[U], v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int idx = base + u * blockDim.x + threadIdx.x;
+        k[u] = v[u] = make_uint4(0u, 0u, 0u, 0u);
+        if (idx < items) {
+          const int t = start + idx / NVEC;
+          const long long at = ids[(t >> 4) - first] * page_vecs + ((t & 15) * num_kv_heads + kvh) * NVEC + idx % NVEC;
+          k[u] = __ldg(key + at);
+          v[u] = __ldg(value + at);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) x ^= k[u].x ^ k[u].y ^ k[u].z ^ k[u].w ^ v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+    if (bias_row_vecs > 0) {
+      const int row_vecs = (end - start + 7) / 8;  // 16-bit entries, 8 a vector
+      const int bias_items = group * row_vecs;
+      const long long row0 = (static_cast<long long>(s) * num_kv_heads + kvh) * group;
+      for (int base = 0; base < bias_items; base += U * static_cast<int>(blockDim.x)) {
+        uint4 b[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int idx = base + u * blockDim.x + threadIdx.x;
+          b[u] = make_uint4(0u, 0u, 0u, 0u);
+          if (idx < bias_items)
+            b[u] = __ldg(bias + (row0 + idx / row_vecs) * bias_row_vecs + start / 8 + idx % row_vecs);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) x ^= b[u].x ^ b[u].y ^ b[u].z ^ b[u].w;
+      }
+    }
+  }
+  out[static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x] = __uint_as_float(x & 0xbfffffffu);
+}
+
+extern "C" __global__ void __launch_bounds__(256) probe_stream8(
+    const uint4* key, const uint4* value, const int* table, const int* seq_lens, const uint4* bias, float* out,
+    int num_kv_heads, int group, int blocks_per_seq, int chunk, int parts, long long page_vecs, int bias_row_vecs) {
+  probe_stream_body<8>(key, value, table, seq_lens, bias, out, num_kv_heads, group, blocks_per_seq, chunk, parts,
+                       page_vecs, bias_row_vecs);
+}
+
+extern "C" __global__ void __launch_bounds__(256) probe_stream16(
+    const uint4* key, const uint4* value, const int* table, const int* seq_lens, const uint4* bias, float* out,
+    int num_kv_heads, int group, int blocks_per_seq, int chunk, int parts, long long page_vecs, int bias_row_vecs) {
+  probe_stream_body<16>(key, value, table, seq_lens, bias, out, num_kv_heads, group, blocks_per_seq, chunk, parts,
+                        page_vecs, bias_row_vecs);
+}
+// probe_async: probe_stream's K/V reads (same keys, same lanes: a token row's vectors on consecutive lanes) by
+// cp.async into shared memory, as the decode kernels copy, in one of three forms (MODE): 0 cp.async.cg with a
+// src-size operand (zero-fill; the decode kernels' form), 1 cp.async.cg without it, 2 cp.async.ca without it; 3 and
+// 4 the form of 0 into the tensor-core kernel's layouts of a tile: 3 rows of 17 vectors (one of padding), 4 rows of
+// 16 vectors whose 8-vector halves are XOR-swizzled by the row (vector c at (c & 8) | ((c ^ r) & 7)). Each step's U
+// vectors of K and of V land in the thread's own slots, are waited for, and XORed. To compare the forms' L2 traffic
+// (ncu: lts__t_sectors_srcunit_tex_op_read.sum) and time. No bias.
+template <int NVEC, int MODE>
+__device__ void probe_async_body(const uint4* __restrict__ key, const uint4* __restrict__ value,
+                                 const int* __restrict__ table, const int* __restrict__ seq_lens,
+                                 float* __restrict__ out, int num_kv_heads, int blocks_per_seq, int chunk, int parts,
+                                 long long page_vecs) {
+  constexpr int U = 4;
+  constexpr int kMaxIds = 2048;
+  __shared__ int ids[kMaxIds];
+  constexpr int kSlot = MODE == 3 ? 272 : 256;  // vectors per slot: 256 threads' vectors, 16 rows of 16 (or 17)
+  __shared__ uint4 slots[2 * U * kSlot];
+  const int r = threadIdx.x / 16, c = threadIdx.x % 16;
+  const int mine = MODE == 3 ? r * 17 + c : MODE == 4 ? r * 16 + ((c & 8) | ((c ^ r) & 7)) : threadIdx.x;
+  const int kvh = blockIdx.x % num_kv_heads;
+  const int p = blockIdx.x / num_kv_heads % parts;
+  const int s = blockIdx.x / num_kv_heads / parts;
+  const int start = p * chunk;
+  const int end = min(seq_lens[s], start + chunk);
+  unsigned x = 0u;
+  if (start < end) {
+    const int first = start >> 4;
+    const int count = min(((end - 1) >> 4) - first + 1, kMaxIds);
+    for (int i = threadIdx.x; i < count; i += blockDim.x) ids[i] = table[s * blocks_per_seq + first + i];
+    __syncthreads();  // every page id of the partition is in shared memory before any thread uses one
+    const int items = (end - start) * NVEC;
+    for (int base = 0; base < items; base += U * static_cast<int>(blockDim.x)) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int idx = base + u * blockDim.x + threadIdx.x;
+        const bool in = idx < items;
+        const int t = start + (in ? idx : 0) / NVEC;
+        const long long at = ids[(t >> 4) - first] * page_vecs + ((t & 15) * num_kv_heads + kvh) * NVEC + idx % NVEC;
+        const unsigned dk = static_cast<unsigned>(__cvta_generic_to_shared(slots + (2 * u) * kSlot + mine));
+        const unsigned dv = static_cast<unsigned>(__cvta_generic_to_shared(slots + (2 * u + 1) * kSlot + mine));
+        if constexpr (MODE == 0 || MODE >= 3) {
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dk), "l"(key + at), "r"(in ? 16 : 0));
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dv), "l"(value + at), "r"(in ? 16 : 0));
+        } else if (in) {
+          if constexpr (MODE == 1) {
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dk), "l"(key + at));
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dv), "l"(value + at));
+          } else {
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(dk), "l"(key + at));
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(dv), "l"(value + at));
+          }
+        }
+      }
+      asm volatile("cp.async.commit_group;\n" ::);
+      asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's copies have landed (it reads only those)
+#pragma unroll
+      for (int u = 0; u < 2 * U; ++u) {
+        const uint4 v = slots[u * kSlot + mine];
+        x ^= v.x ^ v.y ^ v.z ^ v.w;
+      }
+    }
+  }
+  out[static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x] = __uint_as_float(x & 0xbfffffffu);
+}
+
+#define PROBE_ASYNC(MODE)                                                                                         \
+  extern "C" __global__ void __launch_bounds__(256) probe_async16_##MODE(                                        \
+      const uint4* key, const uint4* value, const int* table, const int* seq_lens, float* out, int num_kv_heads, \
+      int blocks_per_seq, int chunk, int parts, long long page_vecs) {                                           \
+    probe_async_body<16, MODE>(key, value, table, seq_lens, out, num_kv_heads, blocks_per_seq, chunk, parts,     \
+                               page_vecs);                                                                       \
+  }
+PROBE_ASYNC(0)
+PROBE_ASYNC(1)
+PROBE_ASYNC(2)
+PROBE_ASYNC(3)
+PROBE_ASYNC(4)
 """
 
 LATENCY_CASE = 4  # bench_decode.CASES[4]: B1 H16/16 d64 L1024
@@ -356,7 +518,7 @@ def attention_only_rows(timer: bd.Timer, sets: list[bd.InputSet]) -> list[tuple[
         if not reduce:
             plan._dependent_reduce = NoLaunch()
             plan._reduce_args = NoLaunch()
-        outputs = [plan._workspace[0].tensor] if not reduce else [s.out for s in sets]
+        outputs = [plan._workspace] if not reduce else [s.out for s in sets]
         calls = [functools.partial(plan.run, *operands(s), out=s.out) for s in sets]
         rows.append((f"{name} ({plan.launch.num_parts} parts)", time_sets(timer, calls, outputs)))
     return rows
@@ -463,7 +625,129 @@ def gqa_split(args: argparse.Namespace, timer: bd.Timer) -> list[tuple[str, str,
     return table
 
 
-PROBES = {"floor": floor, "bias-layout": bias_layout, "split": split, "gqa-split": gqa_split}
+#: read-floor's cases (bench_decode's indices): the grouped-query ones of the FlexAttention target, and MHA ones whose
+#: kernels are memory-bound, to calibrate how near a decode kernel comes to the read floor.
+READ_FLOOR_CASES = (0, 1, 3, 5, 6, 7, 11, 12)
+READ_FLOOR_PARTS = (1, 2, 4, 8, 16, 32, 64)  # partitions of each (sequence, KV head) tried; the fastest is the floor
+STREAM_THREADS = 256
+STREAM_MAX_CHUNK = 32768  # keys of one partition whose page ids fit probe_stream's shared memory
+
+
+def stream_rows(timer: bd.Timer, module: Any, case: bd.Case, sets: list[bd.InputSet]) -> list[tuple[str, str, float]]:
+    """probe_stream over ``case`` with each partition count of :data:`READ_FLOOR_PARTS`, without and with the dense
+    bias's rows: (bias kind, row, µs per call)."""
+    import cupy
+    import torch
+
+    if case.itemsize != 2:
+        raise ValueError(f"probe_stream reads 16-bit caches and biases; {case.name} is {case.dtype}")
+    nvec = case.head_size * case.itemsize // 16
+    kernel = module.get_function(f"probe_stream{nvec}")
+    ptr = cupy.uint64
+    rows = []
+    for parts in READ_FLOOR_PARTS:
+        keys = -(-case.max_len // parts)
+        chunk = -(-keys // bd.BLOCK_SIZE) * bd.BLOCK_SIZE  # whole pages
+        if chunk > STREAM_MAX_CHUNK or (parts > 1 and chunk < 256):
+            continue
+        ctas = case.batch * parts * case.num_kv_heads
+        partials = [torch.empty(ctas * STREAM_THREADS, device="cuda") for _ in sets]
+        for kind in ("none", "dense"):
+            row_vecs = case.max_len * case.itemsize // 16 if kind == "dense" else 0
+
+            def read(i: int, row_vecs: int = row_vecs, chunk: int = chunk, parts: int = parts,
+                     ctas: int = ctas, partials: list[Any] = partials) -> None:
+                s = sets[i]
+                with cupy_on_torch_stream():
+                    kernel((ctas,), (STREAM_THREADS,), (
+                        ptr(s.key_cache.data_ptr()), ptr(s.value_cache.data_ptr()), ptr(s.block_tables.data_ptr()),
+                        ptr(s.seq_lens.data_ptr()), ptr(s.bias.data_ptr()), ptr(partials[i].data_ptr()),
+                        cupy.int32(case.num_kv_heads), cupy.int32(case.num_heads // case.num_kv_heads),
+                        cupy.int32(case.blocks_per_seq), cupy.int32(chunk), cupy.int32(parts),
+                        cupy.int64(bd.BLOCK_SIZE * case.num_kv_heads * nvec), cupy.int32(row_vecs)))
+
+            calls = [functools.partial(read, i) for i in range(len(sets))]
+            rows.append((kind, f"stream {kind} {parts} parts, {ctas} CTAs", time_sets(timer, calls, partials)))
+    return rows
+
+
+def bandwidth_label(case: bd.Case, seq_lens: list[int], copy_bps: float, name: str, kind: str, us: float) -> str:
+    """``name`` with the floor bytes of ``case`` with bias ``kind`` over ``us``: in TB/s and in % of the copy."""
+    bps = bd.floor_bytes(case, seq_lens, kind) / (us * 1e-6)
+    return f"{name} ({bps / 1e12:.2f} TB/s, {100 * bps / copy_bps:.1f} % of copy)"
+
+
+def read_floor(args: argparse.Namespace, timer: bd.Timer) -> list[tuple[str, str, float]]:
+    """Each case's read floor (probe_stream's fastest partitioning) beside our decode, without and with the dense
+    bias; each row's label gives its bandwidth (bench_decode's floor bytes over its time) and its share of the copy
+    bandwidth measured first; the last rows per case give ours over the floor."""
+    import cupy
+
+    copy_bps = bd.measure_copy_bandwidth(timer)["bytes_per_s"]
+    print(f"read-floor   copy bandwidth {copy_bps / 1e12:.3f} TB/s", flush=True)
+    module = cupy.RawModule(code=PROBE_SOURCE, options=("-std=c++17",))
+    table = []
+    for index in args.floor_cases:
+        case, sets = build(index, args)
+        seq_lens = sets[0].seq_lens.tolist()
+        ours = ours_rows(timer, case, sets, {"none": lambda s: None, "dense": lambda s: s.bias})
+        streams = stream_rows(timer, module, case, sets)
+        floor_us = {kind: min(us for k, _, us in streams if k == kind) for kind, _ in ours}
+        rate = functools.partial(bandwidth_label, case, seq_lens, copy_bps)
+        table += [(case.name, rate(name, kind, us), us) for kind, name, us in streams]
+        table += [(case.name, rate(f"ours {kind}", kind, us) + f" {us / floor_us[kind]:.3f}x floor", us)
+                  for kind, us in ours]
+        del sets
+    return table
+
+
+def launch_async(kernel: Any, case: bd.Case, s: bd.InputSet, out: Any, chunk: int, parts: int, ctas: int) -> None:
+    """One probe_async16 launch over input set ``s``, on torch's current stream."""
+    import cupy
+
+    ptr = cupy.uint64
+    with cupy_on_torch_stream():
+        kernel((ctas,), (STREAM_THREADS,), (
+            ptr(s.key_cache.data_ptr()), ptr(s.value_cache.data_ptr()), ptr(s.block_tables.data_ptr()),
+            ptr(s.seq_lens.data_ptr()), ptr(out.data_ptr()), cupy.int32(case.num_kv_heads),
+            cupy.int32(case.blocks_per_seq), cupy.int32(chunk), cupy.int32(parts),
+            cupy.int64(bd.BLOCK_SIZE * case.num_kv_heads * 16)))
+
+
+ASYNC_FORMS = {0: "cp.async.cg, src-size", 1: "cp.async.cg", 2: "cp.async.ca", 3: "as 0, rows of 17 vectors",
+               4: "as 0, swizzled rows of 16"}
+
+
+def cp_async(args: argparse.Namespace, timer: bd.Timer) -> list[tuple[str, str, float]]:
+    """probe_stream's K/V reads without a bias (16-byte loads, head size 128) beside probe_async's three forms of
+    the same reads by cp.async, with 1 and 2 partitions per (sequence, KV head)."""
+    import cupy
+    import torch
+
+    module = cupy.RawModule(code=PROBE_SOURCE, options=("-std=c++17",))
+    table = []
+    for index in args.floor_cases:
+        case, sets = build(index, args)
+        if case.head_size * case.itemsize != 256:
+            raise ValueError(f"probe_async16 reads rows of 16 vectors; {case.name} has other rows")
+        table += [(case.name, name, us) for kind, name, us in stream_rows(timer, module, case, sets)
+                  if kind == "none" and int(name.split()[2]) <= 2]
+        for parts in (1, 2):
+            chunk = -(-case.max_len // parts // bd.BLOCK_SIZE) * bd.BLOCK_SIZE
+            ctas = case.batch * parts * case.num_kv_heads
+            partials = [torch.empty(ctas * STREAM_THREADS, device="cuda") for _ in sets]
+            for mode, form in ASYNC_FORMS.items():
+                kernel = module.get_function(f"probe_async16_{mode}")
+                calls = [functools.partial(launch_async, kernel, case, s, out, chunk, parts, ctas)
+                         for s, out in zip(sets, partials, strict=True)]
+                us = time_sets(timer, calls, partials)
+                table.append((case.name, f"async {form} {parts} parts, {ctas} CTAs", us))
+        del sets
+    return table
+
+
+PROBES = {"floor": floor, "bias-layout": bias_layout, "split": split, "gqa-split": gqa_split, "read-floor": read_floor,
+          "cp-async": cp_async}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -473,6 +757,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sets", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bias-cases", type=bd.parse_case_indices, default=list(BIAS_CASES))
+    parser.add_argument("--floor-cases", type=bd.parse_case_indices, default=list(READ_FLOOR_CASES),
+                        help="read-floor: the cases to run, by bench_decode's index")
     parser.add_argument("--gqa-cases", type=lambda text: [int(i) for i in text.split(",")], default=None,
                         help="gqa-split: the cases to run, by index (bench_decode's, then GQA_WAVE_CASES after them)")
     args = parser.parse_args(argv)
@@ -489,10 +775,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = PROBES[name](args, timer)
         table += [(name, *row) for row in rows]
         for row in rows:
-            print(f"{name:12s} {row[0]:28s} {row[1]:58s} {row[2]:9.2f} us", flush=True)
-    print(f"\n{'probe':12s} {'case':28s} {'row':58s} {'us':>9s}")
+            print(f"{name:12s} {row[0]:28s} {row[1]:72s} {row[2]:9.2f} us", flush=True)
+    print(f"\n{'probe':12s} {'case':28s} {'row':72s} {'us':>9s}")
     for probe, case, row, us in table:
-        print(f"{probe:12s} {case:28s} {row:58s} {us:9.2f}")
+        print(f"{probe:12s} {case:28s} {row:72s} {us:9.2f}")
     return 0
 
 

@@ -196,7 +196,9 @@ def test_decode_probe_kernels_compile(arch):
     cubin, _ = _compile.compile_offline("decode_probe.cu", [], arch, source=module.PROBE_SOURCE)
     assert cubin[:4] == b"\x7fELF"
     for name in ("probe_read2", "probe_read4", "probe_read_combine", "probe_read_unsplit", "probe_empty",
-                 "probe_reduce"):
+                 "probe_reduce", "probe_stream8", "probe_stream16",
+                 "probe_async16_0", "probe_async16_1", "probe_async16_2",
+                 "probe_async16_3", "probe_async16_4"):
         assert name.encode() in cubin
 
 
