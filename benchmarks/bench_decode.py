@@ -274,6 +274,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="our decode kernel: auto (the library's choice), or force the tensor-core one (16-bit, "
                              "head size <= 128) or the FP32 loop, for comparisons")
     parser.add_argument("--seed", type=int, default=0, help="seed of all random data (default: 0)")
+    parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                        help="compile our kernels with -DNAME=VALUE (A/B runs of a kernel switch, e.g. "
+                             "CPA_COPY_ZFILL=0)")
     parser.add_argument("--out", metavar="DIR", help="write DIR/decode.json and DIR/decode.png")
     parser.add_argument("--list", action="store_true", help="print the cases and exit (no GPU needed)")
     parser.add_argument("--dry-run", action="store_true",
@@ -1264,6 +1267,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               "one)", file=sys.stderr)
         return 2
     start = time.perf_counter()
+    if args.define:
+        from cupy_paged_attn import _compile
+
+        _compile._COMPILE_OPTIONS = (*_compile._COMPILE_OPTIONS, *(f"-D{d}" for d in args.define))
     if args.kernel != "auto":
         from cupy_paged_attn import decode
 

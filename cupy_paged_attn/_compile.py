@@ -159,8 +159,12 @@ def _compile_error(key: str, log: str) -> RuntimeError:
 
 @functools.cache
 def _module(filename: str, key: str, names: tuple[str, ...], device_id: int,
-            options: tuple[str, ...] = _COMPILE_OPTIONS) -> Any:
+            options: tuple[str, ...] | None = None) -> Any:
+    """The compiled module of ``names``; ``options`` default to :data:`_COMPILE_OPTIONS` as they are at the first
+    compile (the benchmarks' ``--define`` extends them before any kernel is fetched)."""
     import cupy
+
+    options = _COMPILE_OPTIONS if options is None else options
 
     _log.info("compiling %s for device %d", key, device_id)
     try:
@@ -334,7 +338,9 @@ def prefill_smem_bytes(dtype: str, head_size: int, decode_rows: int = 0, wgmma: 
     """Dynamic shared memory of one tensor-core CTA (PrefillLayout::kSmemBytes; 0 for the float32 SIMT kernel)."""
     if dtype == "f32":
         return 0
-    row = _padded_head(head_size) // 8 + (0 if wgmma else 1)  # 16-byte vectors per (padded) row
+    vectors = _padded_head(head_size) // 8  # 16-byte vectors per row
+    swizzled = wgmma or (decode_rows and vectors % 8 == 0)  # rows unpadded (PrefillLayout::ROW), else padded by one
+    row = vectors + (0 if swizzled else 1)
     tile = prefill_tile_keys(head_size, decode_rows, wgmma)
     rows = _WGMMA_ROWS if wgmma else rows_per_cta(head_size, decode_rows)
     if wgmma:  # three stages where the P·V is deferred (wgmma_deferred), one tile of copies ahead
