@@ -200,6 +200,13 @@ __host__ __device__ constexpr int decode_stages(int head_p, int rows) {
                                              1024) <= 227 * 1024 ? 3 : 2;
 }
 
+// Vector position of (row r, vector c) in rows of `row` vectors (a multiple of 8) whose 8-vector groups are
+// XOR-swizzled by the row: the 8 rows that one ldmatrix matrix reads at one column, and the 8 vectors of a row that a
+// quarter warp copies, fall in 8 different bank groups.
+__host__ __device__ constexpr int swizzled_row_vector(int row, int r, int c) {
+  return r * row + ((c & ~7) | ((c ^ r) & 7));
+}
+
 template <typename T, int HEAD, int DECODE_ROWS, bool WG = false>
 struct PrefillLayout {
   static constexpr bool kDecode = DECODE_ROWS > 0;
@@ -218,8 +225,14 @@ struct PrefillLayout {
   static constexpr int HEAD_P = (HEAD + 15) / 16 * 16;     // head size padded to the mma's k (120 -> 128)
   static constexpr int NV = HEAD_P / VEC;                  // vectors per padded row (even)
   static constexpr int NV_REAL = HEAD / VEC;               // of those, vectors that hold data (the rest are zeros)
-  // Row pitch in vectors: odd, so ldmatrix is conflict-free. The Hopper tiling's rows are unpadded and swizzled.
-  static constexpr int ROW = WG ? NV : NV + 1;
+  // Row pitch in vectors. Prefill's rows: odd (padded by one vector), so ldmatrix is conflict-free. The decode
+  // tiling's rows of whole 128-byte lines (head sizes 64 and 128: NV % 8 == 0) are unpadded, their 8-vector groups
+  // XOR-swizzled by the row instead (swizzled_row_vector): a cp.async copy lands in shared memory row by row, and
+  // into padded rows, whose 128-byte lines straddle the copy's, the hardware read half of the 32-byte sectors twice
+  // from L2 (ncu, B32 H32/8 d128: 50.4 M sectors for 33.6 M of K and V, 8 % of the time; decode_probe.py cp-async).
+  // The Hopper tiling's rows are unpadded and swizzled in blocks (wgmma.cuh).
+  static constexpr bool kSwizzledRows = !WG && kDecode && NV % 8 == 0;
+  static constexpr int ROW = WG || kSwizzledRows ? NV : NV + 1;
   // Keys per tile: 64, or 32 where two m tiles of a larger head would not fit their registers otherwise (so
   // FlashAttention-2 tiles head size 128: 128 rows x 32 keys), and past head size 128. Hopper: kWgmmaTileKeys.
   static constexpr int TILE_N = WG ? kWgmmaTileKeys : HEAD > 128 || (MT == 2 && HEAD_P > 64) ? 32 : 64;
@@ -446,16 +459,24 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
   }
   const int block_mask = (1 << block_shift) - 1;
 
-  // Vector c of key t of stage st: padded rows, or the Hopper tiling's swizzled blocks (wgmma.cuh). (The padded
-  // index is written as it always was: ptxas's schedule of the mma.sync tiling, 11 % of its time at head size 128,
-  // changed with its association.)
+  // Vector c of key t of stage st: padded rows, the decode tiling's swizzled rows, or the Hopper tiling's swizzled
+  // blocks (wgmma.cuh). (The padded index is written as it always was: ptxas's schedule of the mma.sync tiling, 11 %
+  // of its time at head size 128, changed with its association; so is Q_s's below.) Q_s's row r, vector c likewise
+  // (q_vector).
   auto k_s = [&](int st, int t, int c) -> uint4* {
     if constexpr (L::kWgmma) return &kv_s[st * 2 * TILE_N * ROW + swizzled_vector(TILE_N, t, c)];
+    else if constexpr (L::kSwizzledRows) return &kv_s[st * 2 * TILE_N * ROW + swizzled_row_vector(ROW, t, c)];
     else return &kv_s[((st * 2) * TILE_N + t) * ROW + c];
   };
   auto v_s = [&](int st, int t, int c) -> uint4* {
     if constexpr (L::kWgmma) return &kv_s[(st * 2 + 1) * TILE_N * ROW + swizzled_vector(TILE_N, t, c)];
+    else if constexpr (L::kSwizzledRows) return &kv_s[(st * 2 + 1) * TILE_N * ROW + swizzled_row_vector(ROW, t, c)];
     else return &kv_s[((st * 2 + 1) * TILE_N + t) * ROW + c];
+  };
+  auto q_vector = [&](int r, int c) {
+    if constexpr (L::kWgmma) return swizzled_vector(ROWS, r, c);
+    else if constexpr (L::kSwizzledRows) return swizzled_row_vector(ROW, r, c);
+    else return r * ROW + c;
   };
 
   // ---- Q tile -> shared memory (zeros for rows past the sequence and for padding), then A fragments.
@@ -479,7 +500,7 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
         v = u.raw;
       }
     }
-    q_s[L::kWgmma ? swizzled_vector(ROWS, r, c) : r * ROW + c] = v;
+    q_s[q_vector(r, c)] = v;
   }
 
   // The T5 table (see rel_half); visible after the barrier before the first tile.
@@ -650,7 +671,8 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk) {
       unsigned two[2];
-      ldmatrix_x2(two, &q_s[(lane % 8) * ROW + 2 * kk + (lane / 8) % 2]);
+      ldmatrix_x2(two, &q_s[L::kSwizzledRows ? q_vector(lane % 8, 2 * kk + (lane / 8) % 2)
+                                             : (lane % 8) * ROW + 2 * kk + (lane / 8) % 2]);
       qa[kk][0] = two[0];
       qa[kk][2] = two[1];
       qa[kk][1] = qa[kk][3] = 0u;
@@ -658,7 +680,8 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
   } else if constexpr (L::kQInRegs) {
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk)
-      ldmatrix_x4(qa[kk], &q_s[(row_warp * L::ROWS_W + lane % 16) * ROW + 2 * kk + lane / 16]);
+      ldmatrix_x4(qa[kk], &q_s[L::kSwizzledRows ? q_vector(row_warp * L::ROWS_W + lane % 16, 2 * kk + lane / 16)
+                                                : (row_warp * L::ROWS_W + lane % 16) * ROW + 2 * kk + lane / 16]);
   }
   const float scale2 = scale * kLog2e;
   const bool has_alibi = alibi_slopes != nullptr;
