@@ -29,9 +29,14 @@ graphs over ``--sets`` input sets, median of ``--reps``), each printing a table:
     K and V rows through the block table, with the dense bias the group's bias rows, q and out aside) and nothing
     else, with 1 to 64 partitions per (sequence, KV head) of 256 threads, 8 loads of 16 bytes in flight per thread.
     Its fastest partitioning is what a kernel doing no arithmetic achieves; beside it, ours, and ours over it.
+``cp-async``
+    The same reads without a bias (head size 128, ``--floor-cases``, 1 and 2 partitions) by cp.async into shared
+    memory in five forms (``probe_async16_*``: with and without the src-size operand, ``.ca``, and into rows padded to
+    17 vectors or XOR-swizzled rows of 16, the tensor-core decode's old and new layouts). Under ``ncu``, the padded
+    rows request 1.5x the L2 sectors of the bytes copied.
 
 Run on a GPU machine: ``PYTHONPATH=. python3 benchmarks/decode_probe.py [floor] [bias-layout] [split] [gqa-split]
-[read-floor]``.
+[read-floor] [cp-async]``.
 """
 
 from __future__ import annotations
