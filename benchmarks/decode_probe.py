@@ -187,6 +187,27 @@ extern "C" __global__ void probe_reduce(const float* __restrict__ part, float* _
   for (int p = 0; p < parts; ++p) s += part[(static_cast<long long>(p) * gridDim.x + h) * threads_per_part + d];
   out[h * head_size + d] = s;
 }
+// The keys of a streaming probe's CTA (KV heads fastest, as our grids): sequence s, KV head kvh, keys [start, end)
+// of partition blockIdx.x / num_kv_heads % parts, whose page ids (first = start's page) it loads into ids: one round
+// trip, and a barrier after which every thread may use them.
+constexpr int kStreamMaxIds = 2048;
+struct StreamKeys {
+  int s, kvh, start, end, first;
+};
+__device__ StreamKeys stream_keys(const int* __restrict__ table, const int* __restrict__ seq_lens, int* ids,
+                                  int num_kv_heads, int blocks_per_seq, int chunk, int parts) {
+  StreamKeys q;
+  q.kvh = blockIdx.x % num_kv_heads;
+  q.s = blockIdx.x / num_kv_heads / parts;
+  q.start = blockIdx.x / num_kv_heads % parts * chunk;
+  q.end = min(seq_lens[q.s], q.start + chunk);
+  q.first = q.start >> 4;
+  const int count = q.start < q.end ? min(((q.end - 1) >> 4) - q.first + 1, kStreamMaxIds) : 0;
+  for (int i = threadIdx.x; i < count; i += blockDim.x) ids[i] = table[q.s * blocks_per_seq + q.first + i];
+  __syncthreads();  // every page id of the partition is in shared memory before any thread uses one
+  return q;
+}
+
 // probe_stream: the fewest bytes of a whole decode grid, read as fast as this layout allows (the read floor of any
 // case, as the probes above are the latency case's). CTA (s, p, kvh) = blockIdx.x, KV heads fastest (as our grids):
 // the keys [p·chunk, min(len_s, (p + 1)·chunk)) of sequence s. Its page ids first, into shared memory (one round
@@ -201,19 +222,11 @@ __device__ void probe_stream_body(const uint4* __restrict__ key, const uint4* __
                                   int group, int blocks_per_seq, int chunk, int parts, long long page_vecs,
                                   int bias_row_vecs) {
   constexpr int U = 4;
-  constexpr int kMaxIds = 2048;
-  __shared__ int ids[kMaxIds];
-  const int kvh = blockIdx.x % num_kv_heads;
-  const int p = blockIdx.x / num_kv_heads % parts;
-  const int s = blockIdx.x / num_kv_heads / parts;
-  const int start = p * chunk;
-  const int end = min(seq_lens[s], start + chunk);
+  __shared__ int ids[kStreamMaxIds];
+  const auto [s, kvh, start, end, first] = stream_keys(table, seq_lens, ids, num_kv_heads, blocks_per_seq, chunk,
+                                                       parts);
   unsigned x = 0u;
   if (start < end) {
-    const int first = start >> 4;
-    const int count = min(((end - 1) >> 4) - first + 1, kMaxIds);
-    for (int i = threadIdx.x; i < count; i += blockDim.x) ids[i] = table[s * blocks_per_seq + first + i];
-    __syncthreads();  // every page id of the partition is in shared memory before any thread uses one
     const int items = (end - start) * NVEC;
     for (int base = 0; base < items; base += U * static_cast<int>(blockDim.x)) {
       uint4 k[U], v[U];
@@ -278,23 +291,15 @@ __device__ void probe_async_body(const uint4* __restrict__ key, const uint4* __r
                                  float* __restrict__ out, int num_kv_heads, int blocks_per_seq, int chunk, int parts,
                                  long long page_vecs) {
   constexpr int U = 4;
-  constexpr int kMaxIds = 2048;
-  __shared__ int ids[kMaxIds];
+  __shared__ int ids[kStreamMaxIds];
   constexpr int kSlot = MODE == 3 ? 272 : 256;  // vectors per slot: 256 threads' vectors, 16 rows of 16 (or 17)
   __shared__ uint4 slots[2 * U * kSlot];
   const int r = threadIdx.x / 16, c = threadIdx.x % 16;
   const int mine = MODE == 3 ? r * 17 + c : MODE == 4 ? r * 16 + ((c & 8) | ((c ^ r) & 7)) : threadIdx.x;
-  const int kvh = blockIdx.x % num_kv_heads;
-  const int p = blockIdx.x / num_kv_heads % parts;
-  const int s = blockIdx.x / num_kv_heads / parts;
-  const int start = p * chunk;
-  const int end = min(seq_lens[s], start + chunk);
+  const auto [s, kvh, start, end, first] = stream_keys(table, seq_lens, ids, num_kv_heads, blocks_per_seq, chunk,
+                                                       parts);
   unsigned x = 0u;
   if (start < end) {
-    const int first = start >> 4;
-    const int count = min(((end - 1) >> 4) - first + 1, kMaxIds);
-    for (int i = threadIdx.x; i < count; i += blockDim.x) ids[i] = table[s * blocks_per_seq + first + i];
-    __syncthreads();  // every page id of the partition is in shared memory before any thread uses one
     const int items = (end - start) * NVEC;
     for (int base = 0; base < items; base += U * static_cast<int>(blockDim.x)) {
 #pragma unroll
