@@ -276,7 +276,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of all random data (default: 0)")
     parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                         help="compile our kernels with -DNAME=VALUE (A/B runs of a kernel switch, e.g. "
-                             "CPA_COPY_ZFILL=0)")
+                             "CPA_BIAS_RING=2)")
     parser.add_argument("--out", metavar="DIR", help="write DIR/decode.json and DIR/decode.png")
     parser.add_argument("--list", action="store_true", help="print the cases and exit (no GPU needed)")
     parser.add_argument("--dry-run", action="store_true",

@@ -27,7 +27,8 @@
 // offset of each key's page row is computed once per key (page_s) so that a copy costs a shared load and two adds.
 // Rows of shared memory are padded by one 16-byte vector (an odd number of vectors per row), so the 8 rows that one
 // ldmatrix matrix reads fall in 8 different bank groups; the decode tiling's rows of whole 128-byte lines are
-// unpadded and XOR-swizzled instead (swizzled_row_vector: cp.async into padded rows cost L2 traffic, see ROW). Two CTAs per SM in prefill (see PrefillLayout).
+// unpadded and XOR-swizzled instead (swizzled_row_vector: cp.async into padded rows cost L2 traffic, see ROW). Two
+// CTAs per SM in prefill (see PrefillLayout).
 // Per tile, each term of the logits is its own loop under a warp-uniform branch (ALiBi, the bias, the mask), so the
 // inner loop stays small: an earlier version with a branch per logit and per bias dtype outgrew the instruction
 // cache and ran 2.3x slower. T5 tiles that lie max_distance or more from every row of the CTA add one constant
