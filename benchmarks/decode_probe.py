@@ -20,9 +20,10 @@ graphs over ``--sets`` input sets, median of ``--reps``), each printing a table:
     partitions (``decode._CTAS_PER_SM_TARGET``) and split grids capped at 3 or 4 CTAs per SM.
 ``gqa-split``
     The grouped-query cases of the tensor-core kernel (B32 H32/8 d128 L8192, B16 H32/8 d128 L16384 fp16, the two
-    widely spread ones, and two of equal lengths in more than one wave) with their keys forced into a given number
-    of partitions (``decode.split_keys`` replaced): B32's 256 CTAs run unsplit, two per SM on most SMs where three
-    fit; B64 H32/8 d128 L4096's 512 CTAs make 1.3 waves of the 396 that an H200 holds.
+    widely spread ones, two of equal lengths in more than one wave, and six of less than one wave that the one-wave
+    rule leaves unsplit) with their keys forced into a given number of partitions (``decode.split_keys`` replaced):
+    B32's 256 CTAs run unsplit, two per SM on most SMs where three fit; B64 H32/8 d128 L4096's 512 CTAs make 1.3
+    waves of the 396 that an H200 holds.
 ``read-floor``
     The read floor of whole cases (``--floor-cases``; by default the grouped-query ones and, to calibrate, the MHA
     ones whose kernels are memory-bound): ``probe_stream`` reads exactly the bytes bench_decode counts for a case (its
@@ -598,6 +599,11 @@ GQA_SPLIT_CASES = {3: (1, 2, 3, 4, 6), 5: (3, 6, 9), 11: (2, 3), 12: (2, 3)}  # 
 #: Grids of more than one wave with equal lengths (the H200 holds 396 CTAs of these): probe-only cases, their seeds
 #: those of indices past bench_decode's.
 GQA_WAVE_CASES = ((bd.Case(64, 32, 8, 128, 4096), (2, 3, 4)), (bd.Case(128, 32, 8, 128, 2048), (2, 3)))
+#: Grids of less than one wave that the one-wave rule leaves unsplit, one or two CTAs on each SM where three fit (224
+#: to 352 CTAs of 8 rows), at equal lengths and shorter ones (where a split's reduction weighs more): probe-only cases
+#: too, indexed after GQA_WAVE_CASES.
+GQA_SUBWAVE_CASES = (*((bd.Case(b, 32, 8, 128, 8192), (2, 3, 4, 6)) for b in (28, 36, 40, 44)),
+                     (bd.Case(32, 32, 8, 128, 2048), (2, 3, 4)), (bd.Case(32, 32, 8, 128, 4096), (2, 3, 4)))
 
 
 def gqa_split(args: argparse.Namespace, timer: bd.Timer) -> list[tuple[str, str, float]]:
@@ -613,7 +619,7 @@ def gqa_split(args: argparse.Namespace, timer: bd.Timer) -> list[tuple[str, str,
 
     table = []
     try:
-        extra = {len(bd.CASES) + i: case_parts for i, case_parts in enumerate(GQA_WAVE_CASES)}
+        extra = {len(bd.CASES) + i: case_parts for i, case_parts in enumerate(GQA_WAVE_CASES + GQA_SUBWAVE_CASES)}
         todo = [(i, None, parts) for i, parts in GQA_SPLIT_CASES.items()]
         todo += [(i, case, parts) for i, (case, parts) in extra.items()]
         for index, extra_case, part_counts in todo:
@@ -770,7 +776,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--floor-cases", type=bd.parse_case_indices, default=list(READ_FLOOR_CASES),
                         help="read-floor: the cases to run, by bench_decode's index")
     parser.add_argument("--gqa-cases", type=lambda text: [int(i) for i in text.split(",")], default=None,
-                        help="gqa-split: the cases to run, by index (bench_decode's, then GQA_WAVE_CASES after them)")
+                        help="gqa-split: the cases to run, by index (bench_decode's, then GQA_WAVE_CASES and "
+                             "GQA_SUBWAVE_CASES after them)")
     args = parser.parse_args(argv)
     try:
         import torch
