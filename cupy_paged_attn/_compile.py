@@ -26,7 +26,8 @@ KV_LAYOUTS = ("nhd", "vllm")
 HEADS_PER_CTA = (1, 2, 4, 8)
 #: Bias kinds, each a device-side source in common.cuh (the bias's element dtype is a run-time argument).
 BIAS_MODES = ("none", "dense", "ragged", "t5")
-_CUDA_BIAS = {"none": "cpa::NoBias", "dense": "cpa::DenseBias", "ragged": "cpa::RaggedBias", "t5": "cpa::T5Bias"}
+_CUDA_BIAS = {"none": "cpa::NoBias", "dense": "cpa::DenseBias", "ragged": "cpa::RaggedBias", "t5": "cpa::T5Bias",
+              "dense-rows": "cpa::DenseRowsBias"}
 
 _CUDA_LAYOUT = {"nhd": "cpa::KvLayout::kNHD", "vllm": "cpa::KvLayout::kVLLM"}
 _CACHE_LAYOUT = {"nhd": "cpa::CacheLayout::kNHD", "vllm": "cpa::CacheLayout::kVLLM"}
@@ -256,6 +257,10 @@ PREFILL_REL_TABLE = 2048  # floats of a CTA's T5 table (kRelTableMax)
 DECODE_ROWS = (8, 16)
 #: Head sizes the decode tiling of the tensor-core kernel takes (a warp needs 16 keys of a 64-key tile).
 DECODE_MMA_HEAD_SIZES = tuple(d for d in HEAD_SIZES if d <= 128)
+#: Bias kinds of the decode tiling: BIAS_MODES, and "dense-rows", a dense bias of float16 / bfloat16 whose keys are
+#: adjacent (DenseRowsBias: each tile's rows of it copied into shared memory with the tile's K and V, where "dense"
+#: loads element by element; decode.decode_bias_mode).
+DECODE_MMA_BIAS_MODES = (*BIAS_MODES, "dense-rows")
 #: The Hopper tiling of the prefill kernel (wgmma, sm_90a code: devices of compute capability 9.0 exactly): head
 #: sizes, threads (two warpgroups), packed rows per CTA (64 per warpgroup) and keys per tile.
 WGMMA_HEAD_SIZES = (64, 128)
@@ -418,7 +423,7 @@ def all_prefill_specs() -> list[PrefillSpec]:
         for rows in DECODE_ROWS
         for d in DECODE_MMA_HEAD_SIZES
         for lay in KV_LAYOUTS
-        for bias in BIAS_MODES
+        for bias in DECODE_MMA_BIAS_MODES
     ]
     hopper = [
         PrefillSpec(dt, d, lay, bias, wgmma=True)

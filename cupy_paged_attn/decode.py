@@ -123,6 +123,16 @@ def uses_tensor_cores(problem: _checks.DecodeProblem) -> bool:
             and p.group_size >= TENSOR_CORE_MIN_GROUP)
 
 
+def tensor_core_bias_mode(bias: _checks.CheckedBias) -> str:
+    """The tensor-core decode's specialisation for ``bias``: ``"dense-rows"`` for a dense float16 / bfloat16 bias
+    whose keys are adjacent (each tile's rows of it are copied into shared memory beside the tile's K and V,
+    DenseRowsBias in common.cuh), else the bias's own mode (a dense one of other strides or float32 is read element
+    by element, a few tiles ahead). Decided from dtype and strides only: the rows may sit at any address."""
+    if bias.mode == "dense" and bias.dtype in ("f16", "bf16") and bias.strides[3] == 1:
+        return "dense-rows"
+    return bias.mode
+
+
 def split_keys(ctas: int, max_len: int, num_sms: int, tile: int, resident: int | None = None) -> tuple[int, int]:
     """``(tokens_per_part, num_parts)`` for a grid of ``ctas`` CTAs over keys ``[0, max_len)``: one partition when
     the grid already fills the GPU, else partitions of whole ``tile`` multiples (at most one per
@@ -185,7 +195,7 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int,
         resident = _compile.decode_ctas_per_sm(p.head_size, rows)
         tokens_per_part, parts = split_keys(ctas, p.max_len, num_sms, _compile.prefill_tile_keys(p.head_size, rows),
                                             resident=resident)
-        spec = _compile.PrefillSpec(p.dtype, p.head_size, p.kv_layout, p.bias.mode, rows)
+        spec = _compile.PrefillSpec(p.dtype, p.head_size, p.kv_layout, tensor_core_bias_mode(p.bias), rows)
         reduce_grid = (ctas, 1, _compile.reduce_chunks(rows, p.head_size, parts))
         return DecodeLaunch(spec, (ctas, 1, parts), tokens_per_part, parts, spec.threads, spec.smem_bytes,
                             reduce_grid, _compile.PREFILL_REDUCE_THREADS,

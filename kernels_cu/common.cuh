@@ -416,6 +416,13 @@ struct DenseBias {
   __device__ __forceinline__ float value(Raw r) const { return bias_bits_to_float(r, a.dtype); }
 };
 
+// A dense bias of 16-bit elements whose keys are adjacent (stride[3] == 1), rows anywhere: the tensor-core decode
+// copies each tile's rows of it into shared memory by cp.async, beside the tile's K and V (paged_prefill.cu,
+// stage_bias). The host picks it for such a bias (decode.py); DenseBias reads any other element by element.
+struct DenseRowsBias : DenseBias {
+  static __device__ __forceinline__ DenseRowsBias make(const BiasArgs& args) { return {{args}}; }
+};
+
 // A ragged bias: sequence s's keys are rows offsets[s] ... of values [n, num_heads]. Whatever the offsets hold, no
 // row outside [0, n) is read: a sequence whose rows are missing is cut short (validate=True reports it).
 struct RaggedBias {

@@ -556,9 +556,55 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
   const long long col_bytes = kColFixed ? static_cast<long long>(slot_col(0)) * cache.vector_stride() * sizeof(T) : 0;
   const char* key_bytes = reinterpret_cast<const char*>(key_cache) + col_bytes;
   const char* value_bytes = reinterpret_cast<const char*>(value_cache) + col_bytes;
+  // ---- A dense bias of 16-bit adjacent keys (DenseRowsBias, decode) travels with its tile: row r's keys t0 ...
+  // t0 + TILE_N − 1 are the kStagedVecs 16-byte vectors from its key t0's address rounded down to 16 bytes (the rows
+  // may sit anywhere: that key is element stage_shift of the first vector), copied by cp.async into stage st of
+  // bias_stage in the tile's group of copies. A row's 144 bytes put 8 rows' elements of one key in 8 bank groups.
+  // Bytes from the partition's end key on are zero-filled, never read (so no copy reads past the bias; a first
+  // vector starts at most 14 bytes before its row, inside the allocation, which starts on 16 bytes at least), and
+  // so are the rows without keys.
+  constexpr bool kBiasStaged = L::kDecode && SameType<Bias, DenseRowsBias>::value;
+  constexpr int kStagedVecs = TILE_N * 2 / kVecBytes + 1;
+  constexpr int STAGED_SLOTS = (ROWS * kStagedVecs + L::THREADS - 1) / L::THREADS;  // vectors per thread
+  __shared__ uint4 bias_stage[kBiasStaged ? STAGES * ROWS * kStagedVecs : 1];  // [stage][row][kStagedVecs]
+  static_assert(!kBiasStaged || L::kCtasPerSm * (L::kSmemBytes + sizeof(bias_stage) + 1024) <= 227 * 1024,
+                "the CTAs per SM fit with their bias stages");
+  const char* staged_src[STAGED_SLOTS];  // this thread's vector tid + k·THREADS of tile 0 ...
+  int staged_left[STAGED_SLOTS];         // ... and its row's bytes from there to the partition's end key
+  if constexpr (kBiasStaged) {
+#pragma unroll
+    for (int k = 0; k < STAGED_SLOTS; ++k) {
+      const int idx = tid + k * L::THREADS;
+      const int r = idx / kStagedVecs;
+      const int R = m0 + r;
+      staged_src[k] = static_cast<const char*>(bias_ptr);
+      staged_left[k] = 0;
+      if (idx < ROWS * kStagedVecs && R < rows_total) {
+        const char* first = seq_bias.row(kvh * G + R % G, R / G, pos0 + R / G).at(0);
+        const char* vec = reinterpret_cast<const char*>(reinterpret_cast<unsigned long long>(first) & ~15ull) +
+                          (idx % kStagedVecs) * kVecBytes;
+        staged_src[k] = vec;
+        staged_left[k] = static_cast<int>(first + 2ll * kend - vec);
+      }
+    }
+  }
+  auto stage_bias = [&](int st, int t0) {
+    if constexpr (kBiasStaged) {
+#pragma unroll
+      for (int k = 0; k < STAGED_SLOTS; ++k) {
+        const int idx = tid + k * L::THREADS;
+        if (ROWS * kStagedVecs % L::THREADS == 0 || idx < ROWS * kStagedVecs) {
+          const int bytes = max(0, min(kVecBytes, staged_left[k] - 2 * t0));
+          cp_async16(&bias_stage[st * ROWS * kStagedVecs + idx], bytes > 0 ? staged_src[k] + 2ll * t0 : bias_ptr,
+                     bytes);
+        }
+      }
+    }
+  };
   auto issue = [&](int st, int u, int t0) -> bool {
     const long long* pages = page_s + (u % PAGE_BUFFERS) * TILE_N;
     bool all_ok = true;
+    stage_bias(st, t0);
 #pragma unroll
     for (int k = 0; k < COPIES; ++k) {
       if (!slot_used(k)) continue;
@@ -604,13 +650,26 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
   // The thread's keys of a tile are j0 + {0, 1, 8, 9, ...}: decode takes one address per row and tile, then fixed
   // byte offsets (prefill, with 4x the keys per thread, would hold the offsets in registers it has not got). A key
   // past a row's end reads the row's last key instead (its logit is masked); rows without keys read nothing.
-  constexpr bool kBiasLoads = Bias::enabled && !kT5;  // (dense and ragged: strided rows)
+  constexpr bool kBiasLoads = Bias::enabled && !kT5 && !kBiasStaged;  // (dense and ragged: strided rows)
   constexpr bool kBiasAhead = kBiasLoads && L::kDecode;
   using BiasFrag = typename Bias::Raw[MT][NT_S][4];
   typename Bias::Seq::Row bias_rows[NR];
   if constexpr (kBiasLoads) {
 #pragma unroll
     for (int hf = 0; hf < NR; ++hf) bias_rows[hf] = seq_bias.row(row_h[hf], row_i[hf], row_p[hf]);
+  }
+  // A staged bias: where this thread's rows (qr + 8·hf) read their keys in a stage, in elements.
+  int staged_at[NR];
+  if constexpr (kBiasStaged) {
+#pragma unroll
+    for (int hf = 0; hf < NR; ++hf) {
+      const int r = qr + 8 * hf;
+      const int R = m0 + r;
+      const char* first = R < rows_total ? seq_bias.row(kvh * G + R % G, R / G, pos0 + R / G).at(0)
+                                         : static_cast<const char*>(bias_ptr);
+      const int shift = static_cast<int>(reinterpret_cast<unsigned long long>(first) & 15ull) / 2;
+      staged_at[hf] = r * kStagedVecs * (kVecBytes / 2) + shift + key0 + 2 * qc;
+    }
   }
   auto load_bias = [&](BiasFrag& raw, int t0) {
     if constexpr (kBiasLoads) {
@@ -749,7 +808,15 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
       if (L::kWgmma || t0 + key0 < warp_end) {  // (uniform over the warp)
         const bool need_mask = !(tile_ok && t0 + TILE_N <= warp_min_end);
         BiasFrag braw;
-        if constexpr (kBiasAhead) {
+        if constexpr (kBiasStaged) {
+          const unsigned short* stage = reinterpret_cast<const unsigned short*>(bias_stage + st * ROWS * kStagedVecs);
+#pragma unroll
+          for (int hf = 0; hf < NR; ++hf)
+#pragma unroll
+            for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+              for (int c = 0; c < 2; ++c) braw[hf / 2][nt][2 * (hf % 2) + c] = stage[staged_at[hf] + nt * 8 + c];
+        } else if constexpr (kBiasAhead) {
 #pragma unroll
           for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll

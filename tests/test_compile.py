@@ -167,7 +167,7 @@ def test_every_prefill_specialisation_compiles(dtype, arch):
     specs = [s for s in _compile.all_prefill_specs() if s.dtype == dtype]
     prefill = len(_compile.HEAD_SIZES) * len(_compile.KV_LAYOUTS) * len(_compile.PREFILL_BIAS_MODES)
     decode_tc = (len(_compile.DECODE_ROWS) * len(_compile.DECODE_MMA_HEAD_SIZES) * len(_compile.KV_LAYOUTS)
-                 * len(_compile.BIAS_MODES))
+                 * len(_compile.DECODE_MMA_BIAS_MODES))
     hopper = len(_compile.WGMMA_HEAD_SIZES) * len(_compile.KV_LAYOUTS) * len(_compile.WGMMA_BIAS_MODES)
     assert len(specs) == prefill + (decode_tc + hopper if dtype != "f32" else 0)
     by_arch: dict[str, list] = {}
@@ -229,6 +229,24 @@ def test_tensor_core_decode_planning(rng, dtype, head_size, heads, tensor_cores,
         assert (plan.reduce_grid, plan.reduce_threads) == ((2 * tiles * heads[1], 1, rows * head_size * groups // 128),
                                                            _compile.PREFILL_REDUCE_THREADS)
     assert plan.num_parts * plan.tokens_per_part >= problem.max_len
+
+
+@pytest.mark.parametrize(("bias", "bias_dtype", "mode"), [
+    ("dense", "bf16", "dense-rows"), ("dense", "f16", "dense-rows"), ("broadcast-seq", "bf16", "dense-rows"),
+    ("broadcast-head", "f16", "dense-rows"), ("dense", "f32", "dense"), ("strided", "bf16", "dense"),
+    ("ragged", "bf16", "ragged"), ("t5-causal", "bf16", "t5"), ("none", "bf16", "none"),
+])
+def test_tensor_core_decode_bias_mode(rng, bias, bias_dtype, mode):
+    """The tensor-core decode copies a dense 16-bit bias of adjacent keys into shared memory with each tile
+    (DenseRowsBias, "dense-rows"); a float32 one, or one whose keys are apart, is read element by element ("dense").
+    The FP32 kernel has one dense mode."""
+    for heads, tensor_cores in (((32, 8), True), ((8, 8), False)):
+        p = make_problem(rng, [5, 300], num_heads=heads[0], num_kv_heads=heads[1], head_size=128, dtype="bf16",
+                         bias=bias, bias_dtype=bias_dtype)
+        problem = _checks.check_decode(*p.args(), **{**p.kwargs(), "out": None})
+        plan = decode.plan_decode(problem, num_sms=132)
+        assert plan.tensor_cores == tensor_cores
+        assert plan.spec.bias == (mode if tensor_cores else problem.bias.mode)
 
 
 @pytest.mark.parametrize(("dtype", "head_size", "rows", "tile"), [

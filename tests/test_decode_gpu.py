@@ -256,6 +256,30 @@ def test_tensor_core_dense_bias_row_alignments(rng, split, bias_dtype, offset):
         assert_close(run_cupy(q), paged_attention_ref(*q.args(), **q.kwargs()), "bf16", f"L={length}")
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "dtype"), [(8, 2, "bf16"), (32, 2, "f16")],
+                         ids=["8-rows", "16-rows"])
+@pytest.mark.parametrize("offset", [0, 3], ids=["rows-aligned", "rows-offset"])
+def test_tensor_core_staged_dense_bias(rng, split, num_heads, num_kv_heads, dtype, offset):
+    """A dense 16-bit bias of adjacent keys, copied tile by tile into shared memory (DenseRowsBias): rows on every
+    alignment (an odd length L puts row r at element r·L of the storage, so its rows' first keys take every offset in
+    a 16-byte vector), lengths that end inside a tile and inside a vector, NaN past each sequence and before the
+    first row (a first vector starts up to 7 elements before its row; those are never used)."""
+    lens = [700, 129, 64, 3, 0, 1000]
+    p = make_problem(rng, lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=128, dtype=dtype,
+                     bias="dense", bias_dtype=dtype)
+    width = p.attn_bias.shape[2]
+    for length in (width, width + 1, width + 5):
+        store = rng.standard_normal((len(lens), num_heads, length + offset)).astype(DTYPES[dtype])
+        store[0, 0, :offset] = np.nan
+        bias = store[:, :, offset:]
+        for s, n in enumerate(lens):
+            bias[s, :, n:] = np.nan  # past each sequence: never read
+        q = dataclasses.replace(p, attn_bias=bias)
+        args, kwargs = device_args(q, to_cupy)
+        assert cpa.DecodePlan(*args, **kwargs).launch.spec.bias == "dense-rows"
+        assert_close(run_cupy(q), paged_attention_ref(*q.args(), **q.kwargs()), dtype, f"L={length}")
+
+
 def test_long_context_split(rng):
     p = make_problem(rng, [20000], num_heads=32, num_kv_heads=8, head_size=128, dtype="bf16", bias="dense",
                      bias_dtype="bf16", alibi=True)

@@ -41,6 +41,8 @@ CASES = [  # (name, make_problem keywords, force split-K)
                                      dtype="bf16", bias="t5-bidir", bias_dtype="bf16"), True),
     ("gqa16-bf16-d128-dense", dict(seq_lens=[200, 3], num_heads=32, num_kv_heads=2, head_size=128, dtype="bf16",
                                    bias="dense", bias_dtype="bf16", alibi=True), False),
+    ("gqa4-f16-d128-dense-rows-split", dict(seq_lens=[301, 5, 77], num_heads=8, num_kv_heads=2, head_size=128,
+                                            dtype="f16", bias="dense", bias_dtype="f16"), True),
 ]
 
 
