@@ -259,7 +259,7 @@ DECODE_ROWS = (8, 16)
 DECODE_MMA_HEAD_SIZES = tuple(d for d in HEAD_SIZES if d <= 128)
 #: Bias kinds of the decode tiling: BIAS_MODES, and "dense-rows", a dense bias of float16 / bfloat16 whose keys are
 #: adjacent (DenseRowsBias: each tile's rows of it copied into shared memory with the tile's K and V, where "dense"
-#: loads element by element; decode.decode_bias_mode).
+#: loads element by element; decode.tensor_core_bias_mode).
 DECODE_MMA_BIAS_MODES = (*BIAS_MODES, "dense-rows")
 #: The Hopper tiling of the prefill kernel (wgmma, sm_90a code: devices of compute capability 9.0 exactly): head
 #: sizes, threads (two warpgroups), packed rows per CTA (64 per warpgroup) and keys per tile.
