@@ -558,11 +558,11 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
   const char* value_bytes = reinterpret_cast<const char*>(value_cache) + col_bytes;
   // ---- A dense bias of 16-bit adjacent keys (DenseRowsBias, decode) travels with its tile: row r's keys t0 ...
   // t0 + TILE_N − 1 are the kStagedVecs 16-byte vectors from its key t0's address rounded down to 16 bytes (the rows
-  // may sit anywhere: that key is element stage_shift of the first vector), copied by cp.async into stage st of
-  // bias_stage in the tile's group of copies. A row's 144 bytes put 8 rows' elements of one key in 8 bank groups.
-  // Bytes from the partition's end key on are zero-filled, never read (so no copy reads past the bias; a first
-  // vector starts at most 14 bytes before its row, inside the allocation, which starts on 16 bytes at least), and
-  // so are the rows without keys.
+  // may sit anywhere: that key is element `shift` of the first vector, staged_at below), copied by cp.async into
+  // stage st of bias_stage in the tile's group of copies. A row's 144 bytes put 8 rows' elements of one key in 8
+  // bank groups. Bytes from the partition's end key on are zero-filled, never read (so no copy reads past the bias;
+  // a first vector starts at most 14 bytes before its row, inside the allocation, which starts on 16 bytes at
+  // least), and so are the rows without keys.
   constexpr bool kBiasStaged = L::kDecode && SameType<Bias, DenseRowsBias>::value;
   constexpr int kStagedVecs = TILE_N * 2 / kVecBytes + 1;
   constexpr int STAGED_SLOTS = (ROWS * kStagedVecs + L::THREADS - 1) / L::THREADS;  // vectors per thread
