@@ -27,7 +27,7 @@ HEADS_PER_CTA = (1, 2, 4, 8)
 #: Bias kinds, each a device-side source in common.cuh (the bias's element dtype is a run-time argument).
 BIAS_MODES = ("none", "dense", "ragged", "t5")
 _CUDA_BIAS = {"none": "cpa::NoBias", "dense": "cpa::DenseBias", "ragged": "cpa::RaggedBias", "t5": "cpa::T5Bias",
-              "dense-rows": "cpa::DenseRowsBias"}
+              "dense-rows": "cpa::DenseRowsBias", "ragged-rows": "cpa::RaggedRowsBias"}
 
 _CUDA_LAYOUT = {"nhd": "cpa::KvLayout::kNHD", "vllm": "cpa::KvLayout::kVLLM"}
 _CACHE_LAYOUT = {"nhd": "cpa::CacheLayout::kNHD", "vllm": "cpa::CacheLayout::kVLLM"}
@@ -257,10 +257,11 @@ PREFILL_REL_TABLE = 2048  # floats of a CTA's T5 table (kRelTableMax)
 DECODE_ROWS = (8, 16)
 #: Head sizes the decode tiling of the tensor-core kernel takes (a warp needs 16 keys of a 64-key tile).
 DECODE_MMA_HEAD_SIZES = tuple(d for d in HEAD_SIZES if d <= 128)
-#: Bias kinds of the decode tiling: BIAS_MODES, and "dense-rows", a dense bias of float16 / bfloat16 whose keys are
-#: adjacent (DenseRowsBias: each tile's rows of it copied into shared memory with the tile's K and V, where "dense"
-#: loads element by element; decode.tensor_core_bias_mode).
-DECODE_MMA_BIAS_MODES = (*BIAS_MODES, "dense-rows")
+#: Bias kinds of the decode tiling: BIAS_MODES, and two of float16 / bfloat16 copied into shared memory with each
+#: tile's K and V where "dense" and "ragged" load element by element (decode.tensor_core_bias_mode): "dense-rows", a
+#: dense bias whose keys are adjacent (DenseRowsBias), and "ragged-rows", a ragged one whose heads are adjacent and
+#: whose keys lie a multiple of 16 bytes apart (RaggedRowsBias).
+DECODE_MMA_BIAS_MODES = (*BIAS_MODES, "dense-rows", "ragged-rows")
 #: The Hopper tiling of the prefill kernel (wgmma, sm_90a code: devices of compute capability 9.0 exactly): head
 #: sizes, threads (two warpgroups), packed rows per CTA (64 per warpgroup) and keys per tile.
 WGMMA_HEAD_SIZES = (64, 128)
@@ -323,6 +324,23 @@ def decode_stages(head_size: int, rows: int) -> int:
     would not fit three (with their four page buffers)."""
     three = _tiling_smem_bytes(rows, _padded_head(head_size) // 8 + 1, prefill_tile_keys(head_size, rows), 3, 4, 0, 0)
     return 3 if decode_ctas_per_sm(head_size, rows) * (three + 1024) <= 227 * 1024 else 2
+
+
+def decode_staged_bias_bytes(bias: str, head_size: int, rows: int) -> int:
+    """Static shared memory of the decode tiling's bias stages (bias_stage in paged_prefill.cu): per K/V stage, 9
+    vectors of 16 bytes a row for ``"dense-rows"``, ceil((2·rows + 14) / 16) a key for ``"ragged-rows"``; none for
+    the other kinds."""
+    tile = prefill_tile_keys(head_size, rows)
+    vectors = {"dense-rows": rows * (tile * 2 // 16 + 1), "ragged-rows": tile * (-(-(2 * rows + 14) // 16))}
+    return decode_stages(head_size, rows) * vectors.get(bias, 0) * 16
+
+
+def decode_bias_fits(bias: str, head_size: int, rows: int) -> bool:
+    """Whether the decode tiling's CTAs per SM still fit with ``bias``'s stages (the static_assert beside
+    bias_stage): at head size 80, 8 rows, three CTAs leave no room for the ragged stages, and that specialisation
+    does not exist (the bias is read element by element, "ragged")."""
+    smem = prefill_smem_bytes("bf16", head_size, rows) + decode_staged_bias_bytes(bias, head_size, rows)
+    return decode_ctas_per_sm(head_size, rows) * (smem + 1024) <= 227 * 1024
 
 
 def reduce_groups(num_parts: int) -> int:
@@ -424,6 +442,7 @@ def all_prefill_specs() -> list[PrefillSpec]:
         for d in DECODE_MMA_HEAD_SIZES
         for lay in KV_LAYOUTS
         for bias in DECODE_MMA_BIAS_MODES
+        if decode_bias_fits(bias, d, rows)
     ]
     hopper = [
         PrefillSpec(dt, d, lay, bias, wgmma=True)

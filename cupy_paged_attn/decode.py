@@ -123,14 +123,21 @@ def uses_tensor_cores(problem: _checks.DecodeProblem) -> bool:
             and p.group_size >= TENSOR_CORE_MIN_GROUP)
 
 
-def tensor_core_bias_mode(bias: _checks.CheckedBias) -> str:
-    """The tensor-core decode's specialisation for ``bias``: ``"dense-rows"`` for a dense float16 / bfloat16 bias
-    whose keys are adjacent (each tile's rows of it are copied into shared memory beside the tile's K and V,
-    DenseRowsBias in common.cuh), else the bias's own mode (a dense one of other strides or float32 is read element
-    by element, a few tiles ahead). Decided from dtype and strides only: the rows may sit at any address."""
-    if bias.mode == "dense" and bias.dtype in ("f16", "bf16") and bias.strides[3] == 1:
-        return "dense-rows"
-    return bias.mode
+def tensor_core_bias_mode(bias: _checks.CheckedBias, head_size: int, rows: int) -> str:
+    """The tensor-core decode's specialisation for ``bias``. A float16 / bfloat16 bias whose elements of one tile lie
+    side by side is copied into shared memory with each tile's K and V (paged_prefill.cu, stage_bias): a dense one
+    whose keys are adjacent (``"dense-rows"``, a row of keys per query head), a ragged one whose heads are adjacent
+    and whose keys lie a multiple of 16 bytes apart (``"ragged-rows"``, the CTA's heads per key: values of 8, 16, ...
+    heads). Any other is the bias's own mode, read element by element a few tiles ahead. Decided from dtype and
+    strides only (the arrays may sit at any address), where the stages fit beside ``rows`` rows of ``head_size``
+    (_compile.decode_bias_fits)."""
+    staged = bias.mode
+    if bias.dtype in ("f16", "bf16") and bias.mode == "dense" and bias.strides[3] == 1:
+        staged = "dense-rows"
+    if (bias.dtype in ("f16", "bf16") and bias.mode == "ragged" and bias.strides[1] == 1 and bias.strides[0] > 0
+            and bias.strides[0] % 8 == 0):
+        staged = "ragged-rows"
+    return staged if _compile.decode_bias_fits(staged, head_size, rows) else bias.mode
 
 
 def split_keys(ctas: int, max_len: int, num_sms: int, tile: int, resident: int | None = None) -> tuple[int, int]:
@@ -195,7 +202,8 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int,
         resident = _compile.decode_ctas_per_sm(p.head_size, rows)
         tokens_per_part, parts = split_keys(ctas, p.max_len, num_sms, _compile.prefill_tile_keys(p.head_size, rows),
                                             resident=resident)
-        spec = _compile.PrefillSpec(p.dtype, p.head_size, p.kv_layout, tensor_core_bias_mode(p.bias), rows)
+        bias = tensor_core_bias_mode(p.bias, p.head_size, rows)
+        spec = _compile.PrefillSpec(p.dtype, p.head_size, p.kv_layout, bias, rows)
         reduce_grid = (ctas, 1, _compile.reduce_chunks(rows, p.head_size, parts))
         return DecodeLaunch(spec, (ctas, 1, parts), tokens_per_part, parts, spec.threads, spec.smem_bytes,
                             reduce_grid, _compile.PREFILL_REDUCE_THREADS,

@@ -452,6 +452,14 @@ struct RaggedBias {
   __device__ __forceinline__ float value(Raw r) const { return bias_bits_to_float(r, a.dtype); }
 };
 
+// A ragged bias of 16-bit elements whose heads are adjacent (stride[1] == 1) and whose step from one key to the next
+// is a multiple of 16 bytes: the tensor-core decode copies each tile's keys' elements of its heads into shared memory
+// by cp.async, beside the tile's K and V (paged_prefill.cu, stage_bias). The host picks it for such a bias
+// (decode.py); RaggedBias reads any other element by element.
+struct RaggedRowsBias : RaggedBias {
+  static __device__ __forceinline__ RaggedRowsBias make(const BiasArgs& args) { return {{args}}; }
+};
+
 // T5's relative-position bias, computed per key: table[bucket(j − p), h] for the query at position p. The bucket of
 // a distance comes from a small table (index, built on the host from the exact float32 definition, so host and
 // device agree bit for bit); distances >= max_distance (n) share its last entry. Bidirectional (m > 0): keys after

@@ -556,35 +556,61 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
   const long long col_bytes = kColFixed ? static_cast<long long>(slot_col(0)) * cache.vector_stride() * sizeof(T) : 0;
   const char* key_bytes = reinterpret_cast<const char*>(key_cache) + col_bytes;
   const char* value_bytes = reinterpret_cast<const char*>(value_cache) + col_bytes;
-  // ---- A dense bias of 16-bit adjacent keys (DenseRowsBias, decode) travels with its tile: row r's keys t0 ...
-  // t0 + TILE_N − 1 are the kStagedVecs 16-byte vectors from its key t0's address rounded down to 16 bytes (the rows
-  // may sit anywhere: that key is element `shift` of the first vector, staged_at below), copied by cp.async into
-  // stage st of bias_stage in the tile's group of copies. A row's 144 bytes put 8 rows' elements of one key in 8
-  // bank groups. Bytes from the partition's end key on are zero-filled, never read (so no copy reads past the bias;
-  // a first vector starts at most 14 bytes before its row, inside the allocation, which starts on 16 bytes at
-  // least), and so are the rows without keys.
-  constexpr bool kBiasStaged = L::kDecode && SameType<Bias, DenseRowsBias>::value;
-  constexpr int kStagedVecs = TILE_N * 2 / kVecBytes + 1;
-  constexpr int STAGED_SLOTS = (ROWS * kStagedVecs + L::THREADS - 1) / L::THREADS;  // vectors per thread
-  __shared__ uint4 bias_stage[kBiasStaged ? STAGES * ROWS * kStagedVecs : 1];  // [stage][row][kStagedVecs]
+  // ---- A 16-bit bias whose elements of a tile lie side by side travels with its tile (decode): copied by cp.async
+  // into stage st of bias_stage in the tile's group of copies, as units of UNIT_VECS 16-byte vectors, each unit from
+  // its first element's address rounded down to 16 bytes (the bias may sit anywhere: that element is `shift` elements
+  // into the unit). Bytes no logit reads are zero-filled, never copied, so no copy reads past the bias (a unit starts
+  // at most 14 bytes before an element of it, inside the allocation, which starts on 16 bytes at least):
+  //  - DenseRowsBias (keys adjacent): a unit per row, its keys t0 ... t0 + TILE_N − 1; zeros from the partition's
+  //    end key on and for the rows without keys. 144-byte units put 8 rows' elements of one key in 8 bank groups.
+  //  - RaggedRowsBias (heads adjacent, a key's step a multiple of 16 bytes, so every key has the same shift): a unit
+  //    per key, the CTA's heads kvh·G + m0 ...; zeros past its last head and from the partition's end key on.
+  constexpr bool kDenseStaged = L::kDecode && SameType<Bias, DenseRowsBias>::value;
+  constexpr bool kRaggedStaged = L::kDecode && SameType<Bias, RaggedRowsBias>::value;
+  constexpr bool kBiasStaged = kDenseStaged || kRaggedStaged;
+  constexpr int UNITS = kRaggedStaged ? TILE_N : ROWS;
+  constexpr int UNIT_VECS = kRaggedStaged ? (2 * ROWS + 14 + kVecBytes - 1) / kVecBytes : TILE_N * 2 / kVecBytes + 1;
+  constexpr int STAGE_VECS = UNITS * UNIT_VECS;
+  constexpr int ROW_STEP = kRaggedStaged ? 1 : UNIT_VECS * kVecBytes / 2;  // elements between rows in a stage
+  constexpr int KEY_STEP = kRaggedStaged ? UNIT_VECS * kVecBytes / 2 : 1;  // and between keys
+  constexpr int STAGED_SLOTS = (STAGE_VECS + L::THREADS - 1) / L::THREADS;  // vectors per thread
+  __shared__ uint4 bias_stage[kBiasStaged ? STAGES * STAGE_VECS : 1];  // [stage][unit][UNIT_VECS]
   static_assert(!kBiasStaged || L::kCtasPerSm * (L::kSmemBytes + sizeof(bias_stage) + 1024) <= 227 * 1024,
                 "the CTAs per SM fit with their bias stages");
+  // Ragged: the CTA's heads' elements of key 0 (its rows hold heads kvh·G + m0 ... of one query), the bytes from one
+  // key to the next, and the elements of the first vector before them.
+  const char* heads_at = static_cast<const char*>(bias_ptr);
+  long long staged_step = 2;  // bytes from one key to the next (dense: adjacent 16-bit elements)
+  if constexpr (kRaggedStaged) {
+    const typename Bias::Seq::Row heads = seq_bias.row(kvh * G + m0, 0, 0);
+    heads_at = heads.at(0);
+    staged_step = heads.step_bytes();
+  }
+  const int heads_shift = static_cast<int>(reinterpret_cast<unsigned long long>(heads_at) & 15ull) / 2;
   const char* staged_src[STAGED_SLOTS];  // this thread's vector tid + k·THREADS of tile 0 ...
-  int staged_left[STAGED_SLOTS];         // ... and its row's bytes from there to the partition's end key
+  int staged_left[STAGED_SLOTS];         // ... dense: its row's bytes from there to the partition's end key;
+                                         // ragged: the bytes of it to copy
+  int staged_end[STAGED_SLOTS];          // ragged: the first tile start t0 whose copy of it is all zeros
   if constexpr (kBiasStaged) {
 #pragma unroll
     for (int k = 0; k < STAGED_SLOTS; ++k) {
       const int idx = tid + k * L::THREADS;
-      const int r = idx / kStagedVecs;
-      const int R = m0 + r;
+      const int unit = idx / UNIT_VECS;
+      const int vec = (idx % UNIT_VECS) * kVecBytes;
       staged_src[k] = static_cast<const char*>(bias_ptr);
       staged_left[k] = 0;
-      if (idx < ROWS * kStagedVecs && R < rows_total) {
+      staged_end[k] = kstart;
+      if (idx < STAGE_VECS && kDenseStaged && m0 + unit < rows_total) {
+        const int R = m0 + unit;
         const char* first = seq_bias.row(kvh * G + R % G, R / G, pos0 + R / G).at(0);
-        const char* vec = reinterpret_cast<const char*>(reinterpret_cast<unsigned long long>(first) & ~15ull) +
-                          (idx % kStagedVecs) * kVecBytes;
-        staged_src[k] = vec;
-        staged_left[k] = static_cast<int>(first + 2ll * kend - vec);
+        staged_src[k] = reinterpret_cast<const char*>(reinterpret_cast<unsigned long long>(first) & ~15ull) + vec;
+        staged_left[k] = static_cast<int>(first + 2ll * kend - staged_src[k]);
+      }
+      if (idx < STAGE_VECS && kRaggedStaged) {
+        const int heads_bytes = 2 * (heads_shift + min(ROWS, rows_total - m0));
+        staged_src[k] = heads_at - 2 * heads_shift + unit * staged_step + vec;
+        staged_left[k] = max(0, min(kVecBytes, heads_bytes - vec));
+        staged_end[k] = kend - unit;
       }
     }
   }
@@ -593,9 +619,10 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
 #pragma unroll
       for (int k = 0; k < STAGED_SLOTS; ++k) {
         const int idx = tid + k * L::THREADS;
-        if (ROWS * kStagedVecs % L::THREADS == 0 || idx < ROWS * kStagedVecs) {
-          const int bytes = max(0, min(kVecBytes, staged_left[k] - 2 * t0));
-          cp_async16(&bias_stage[st * ROWS * kStagedVecs + idx], bytes > 0 ? staged_src[k] + 2ll * t0 : bias_ptr,
+        if (STAGE_VECS % L::THREADS == 0 || idx < STAGE_VECS) {
+          const int bytes = kDenseStaged ? max(0, min(kVecBytes, staged_left[k] - 2 * t0))
+                                         : t0 < staged_end[k] ? staged_left[k] : 0;
+          cp_async16(&bias_stage[st * STAGE_VECS + idx], bytes > 0 ? staged_src[k] + t0 * staged_step : bias_ptr,
                      bytes);
         }
       }
@@ -658,17 +685,18 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
 #pragma unroll
     for (int hf = 0; hf < NR; ++hf) bias_rows[hf] = seq_bias.row(row_h[hf], row_i[hf], row_p[hf]);
   }
-  // A staged bias: where this thread's rows (qr + 8·hf) read their keys in a stage, in elements.
+  // A staged bias: where this thread's rows read their keys key0 + 2qc + ... in a stage, in elements. (A row without
+  // keys takes its stand-in row's shift: any shift keeps its masked reads inside its unit.)
   int staged_at[NR];
   if constexpr (kBiasStaged) {
 #pragma unroll
     for (int hf = 0; hf < NR; ++hf) {
-      const int r = qr + 8 * hf;
-      const int R = m0 + r;
-      const char* first = R < rows_total ? seq_bias.row(kvh * G + R % G, R / G, pos0 + R / G).at(0)
-                                         : static_cast<const char*>(bias_ptr);
-      const int shift = static_cast<int>(reinterpret_cast<unsigned long long>(first) & 15ull) / 2;
-      staged_at[hf] = r * kStagedVecs * (kVecBytes / 2) + shift + key0 + 2 * qc;
+      int shift = heads_shift;
+      if constexpr (kDenseStaged) {
+        const char* first = seq_bias.row(row_h[hf], row_i[hf], row_p[hf]).at(0);
+        shift = static_cast<int>(reinterpret_cast<unsigned long long>(first) & 15ull) / 2;
+      }
+      staged_at[hf] = cta_row(hf) * ROW_STEP + shift + (key0 + 2 * qc) * KEY_STEP;
     }
   }
   auto load_bias = [&](BiasFrag& raw, int t0) {
@@ -809,13 +837,14 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
         const bool need_mask = !(tile_ok && t0 + TILE_N <= warp_min_end);
         BiasFrag braw;
         if constexpr (kBiasStaged) {
-          const unsigned short* stage = reinterpret_cast<const unsigned short*>(bias_stage + st * ROWS * kStagedVecs);
+          const unsigned short* stage = reinterpret_cast<const unsigned short*>(bias_stage + st * STAGE_VECS);
 #pragma unroll
           for (int hf = 0; hf < NR; ++hf)
 #pragma unroll
             for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-              for (int c = 0; c < 2; ++c) braw[hf / 2][nt][2 * (hf % 2) + c] = stage[staged_at[hf] + nt * 8 + c];
+              for (int c = 0; c < 2; ++c)
+                braw[hf / 2][nt][2 * (hf % 2) + c] = stage[staged_at[hf] + (nt * 8 + c) * KEY_STEP];
         } else if constexpr (kBiasAhead) {
 #pragma unroll
           for (int nt = 0; nt < NT_S; ++nt)

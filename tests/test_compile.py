@@ -166,8 +166,11 @@ def test_split_grid_caps_its_ctas_per_sm(rng, smem_per_sm):
 def test_every_prefill_specialisation_compiles(dtype, arch):
     specs = [s for s in _compile.all_prefill_specs() if s.dtype == dtype]
     prefill = len(_compile.HEAD_SIZES) * len(_compile.KV_LAYOUTS) * len(_compile.PREFILL_BIAS_MODES)
-    decode_tc = (len(_compile.DECODE_ROWS) * len(_compile.DECODE_MMA_HEAD_SIZES) * len(_compile.KV_LAYOUTS)
-                 * len(_compile.DECODE_MMA_BIAS_MODES))
+    decode_tc = len(_compile.KV_LAYOUTS) * sum(
+        _compile.decode_bias_fits(bias, d, rows) for rows in _compile.DECODE_ROWS
+        for d in _compile.DECODE_MMA_HEAD_SIZES for bias in _compile.DECODE_MMA_BIAS_MODES)
+    assert decode_tc == len(_compile.KV_LAYOUTS) * (len(_compile.DECODE_ROWS) * len(_compile.DECODE_MMA_HEAD_SIZES)
+                                                    * len(_compile.DECODE_MMA_BIAS_MODES) - 1)  # (d80, 8 rows, ragged)
     hopper = len(_compile.WGMMA_HEAD_SIZES) * len(_compile.KV_LAYOUTS) * len(_compile.WGMMA_BIAS_MODES)
     assert len(specs) == prefill + (decode_tc + hopper if dtype != "f32" else 0)
     by_arch: dict[str, list] = {}
@@ -234,19 +237,35 @@ def test_tensor_core_decode_planning(rng, dtype, head_size, heads, tensor_cores,
 @pytest.mark.parametrize(("bias", "bias_dtype", "mode"), [
     ("dense", "bf16", "dense-rows"), ("dense", "f16", "dense-rows"), ("broadcast-seq", "bf16", "dense-rows"),
     ("broadcast-head", "f16", "dense-rows"), ("dense", "f32", "dense"), ("strided", "bf16", "dense"),
-    ("ragged", "bf16", "ragged"), ("t5-causal", "bf16", "t5"), ("none", "bf16", "none"),
+    ("ragged", "bf16", "ragged-rows"), ("ragged", "f16", "ragged-rows"), ("ragged", "f32", "ragged"),
+    ("ragged-strided", "bf16", "ragged"), ("ragged-12-heads", "bf16", "ragged"), ("t5-causal", "bf16", "t5"),
+    ("none", "bf16", "none"),
 ])
 def test_tensor_core_decode_bias_mode(rng, bias, bias_dtype, mode):
-    """The tensor-core decode copies a dense 16-bit bias of adjacent keys into shared memory with each tile
-    (DenseRowsBias, "dense-rows"); a float32 one, or one whose keys are apart, is read element by element ("dense").
-    The FP32 kernel has one dense mode."""
-    for heads, tensor_cores in (((32, 8), True), ((8, 8), False)):
+    """The tensor-core decode copies a 16-bit bias whose elements of a tile lie side by side into shared memory with
+    each tile: a dense one of adjacent keys (DenseRowsBias, "dense-rows"), a ragged one of adjacent heads whose keys
+    lie a multiple of 8 elements apart (RaggedRowsBias, "ragged-rows"). A float32 one, a dense one whose keys are
+    apart, a ragged one stored head-major or of 12 heads a key is read element by element. The FP32 kernel has one
+    mode per kind."""
+    num_heads = 12 if bias == "ragged-12-heads" else 32
+    bias = bias.removesuffix("-12-heads")
+    for heads, tensor_cores in (((num_heads, num_heads // 4), True), ((8, 8), False)):
         p = make_problem(rng, [5, 300], num_heads=heads[0], num_kv_heads=heads[1], head_size=128, dtype="bf16",
                          bias=bias, bias_dtype=bias_dtype)
         problem = _checks.check_decode(*p.args(), **{**p.kwargs(), "out": None})
         plan = decode.plan_decode(problem, num_sms=132)
         assert plan.tensor_cores == tensor_cores
         assert plan.spec.bias == (mode if tensor_cores else problem.bias.mode)
+
+
+def test_staged_bias_only_where_it_fits():
+    """A bias kind whose stages would not fit beside the CTAs per SM falls back to element-by-element loads: head
+    size 80 at 8 rows (three CTAs of 71 KB each) has no "ragged-rows" specialisation; 128 has."""
+    ragged = _checks.CheckedBias("ragged", strides=(32, 1, 0, 0), dtype="bf16")
+    assert decode.tensor_core_bias_mode(ragged, 128, 8) == "ragged-rows"
+    assert decode.tensor_core_bias_mode(ragged, 80, 16) == "ragged-rows"
+    assert decode.tensor_core_bias_mode(ragged, 80, 8) == "ragged"
+    assert all(s.bias != "ragged-rows" or (s.head_size, s.decode_rows) != (80, 8) for s in _compile.all_prefill_specs())
 
 
 @pytest.mark.parametrize(("dtype", "head_size", "rows", "tile"), [

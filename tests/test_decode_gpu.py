@@ -237,47 +237,56 @@ def test_bias_dtypes(rng, split, q_dtype, bias_dtype):
     assert_close(run_cupy(p), paged_attention_ref(*p.args(), **p.kwargs()), q_dtype)
 
 
-@pytest.mark.parametrize("bias_dtype", ["bf16", "f32"])
-@pytest.mark.parametrize("offset", [0, 1], ids=["rows-aligned", "rows-offset"])
-def test_tensor_core_dense_bias_row_alignments(rng, split, bias_dtype, offset):
-    """The tensor-core decode kernel with dense bias rows of every alignment: of even length L from element 0 (every
-    row on a multiple of two elements), of odd length (every other row) and one element into their storage."""
-    lens = [700, 129, 64, 3]
-    p = make_problem(rng, lens, num_heads=8, num_kv_heads=2, head_size=64, dtype="bf16", bias="dense",
-                     bias_dtype=bias_dtype)
-    for length in (p.attn_bias.shape[2], p.attn_bias.shape[2] + 1):  # odd (700 + 5), even
-        store = rng.standard_normal((len(lens), 8, length + offset)).astype(DTYPES[bias_dtype])
-        bias = store[:, :, offset:]
-        for s, n in enumerate(lens):
-            bias[s, :, n:] = np.nan  # past each sequence: never read
-        q = dataclasses.replace(p, attn_bias=bias)
-        args, kwargs = device_args(q, to_cupy)
-        assert cpa.DecodePlan(*args, **kwargs).launch.tensor_cores
-        assert_close(run_cupy(q), paged_attention_ref(*q.args(), **q.kwargs()), "bf16", f"L={length}")
-
-
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "dtype"), [(8, 2, "bf16"), (32, 2, "f16")],
-                         ids=["8-rows", "16-rows"])
-@pytest.mark.parametrize("offset", [0, 3], ids=["rows-aligned", "rows-offset"])
-def test_tensor_core_staged_dense_bias(rng, split, num_heads, num_kv_heads, dtype, offset):
-    """A dense 16-bit bias of adjacent keys, copied tile by tile into shared memory (DenseRowsBias): rows on every
-    alignment (an odd length L puts row r at element r·L of the storage, so its rows' first keys take every offset in
-    a 16-byte vector), lengths that end inside a tile and inside a vector, NaN past each sequence and before the
-    first row (a first vector starts up to 7 elements before its row; those are never used)."""
+@pytest.mark.parametrize(("num_heads", "head_size", "dtype", "bias_dtype", "spec_bias"), [
+    (8, 64, "bf16", "bf16", "dense-rows"), (8, 64, "bf16", "f32", "dense"), (8, 128, "bf16", "bf16", "dense-rows"),
+    (32, 128, "f16", "f16", "dense-rows")], ids=["8-rows-d64", "8-rows-d64-f32", "8-rows-d128", "16-rows-d128"])
+@pytest.mark.parametrize("offset", [0, 1, 3], ids=["rows-aligned", "rows-offset1", "rows-offset3"])
+def test_tensor_core_dense_bias_row_alignments(rng, split, num_heads, head_size, dtype, bias_dtype, spec_bias,
+                                               offset):
+    """The tensor-core decode kernel with dense bias rows of every alignment, read in place (float32: "dense") or
+    copied tile by tile into shared memory (16-bit: DenseRowsBias, "dense-rows"): an odd row length L puts row r at
+    element r·L of the storage, so the rows' first keys take every offset in a 16-byte vector, and the storage starts
+    offset elements before the first row. Lengths that end inside a tile and inside a vector, NaN past each sequence
+    and before the first row (a staged first vector starts up to 7 elements before its row; those are never used)."""
     lens = [700, 129, 64, 3, 0, 1000]
-    p = make_problem(rng, lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=128, dtype=dtype,
-                     bias="dense", bias_dtype=dtype)
+    p = make_problem(rng, lens, num_heads=num_heads, num_kv_heads=2, head_size=head_size, dtype=dtype,
+                     bias="dense", bias_dtype=bias_dtype)
     width = p.attn_bias.shape[2]
     for length in (width, width + 1, width + 5):
-        store = rng.standard_normal((len(lens), num_heads, length + offset)).astype(DTYPES[dtype])
+        store = rng.standard_normal((len(lens), num_heads, length + offset)).astype(DTYPES[bias_dtype])
         store[0, 0, :offset] = np.nan
         bias = store[:, :, offset:]
         for s, n in enumerate(lens):
             bias[s, :, n:] = np.nan  # past each sequence: never read
         q = dataclasses.replace(p, attn_bias=bias)
         args, kwargs = device_args(q, to_cupy)
-        assert cpa.DecodePlan(*args, **kwargs).launch.spec.bias == "dense-rows"
+        launch = cpa.DecodePlan(*args, **kwargs).launch
+        assert launch.tensor_cores and launch.spec.bias == spec_bias
         assert_close(run_cupy(q), paged_attention_ref(*q.args(), **q.kwargs()), dtype, f"L={length}")
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "dtype"), [(8, 2, "bf16"), (32, 2, "f16")],
+                         ids=["8-rows", "16-rows"])
+@pytest.mark.parametrize("offset", [0, 3], ids=["values-aligned", "values-offset"])
+def test_tensor_core_staged_ragged_bias(rng, split, num_heads, num_kv_heads, dtype, offset):
+    """A ragged 16-bit bias of adjacent heads whose keys lie a multiple of 16 bytes apart, copied tile by tile into
+    shared memory (RaggedRowsBias): values starting on every alignment of a 16-byte vector (offset elements into
+    their storage, so each CTA's first head falls anywhere in one), rows of num_heads or num_heads + 8 elements (a
+    column slice), NaN in the rows between sequences, in the columns past the heads and before the first value (a
+    key's first vector starts up to 7 elements before the CTA's heads; those are never used), lengths that end inside
+    a tile and a sequence with no keys."""
+    lens = [700, 129, 64, 3, 0, 1000]
+    p = make_problem(rng, lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=128, dtype=dtype,
+                     bias="ragged", bias_dtype=dtype)
+    values = p.bias_kind.values
+    for width in (num_heads, num_heads + 8):
+        store = np.full(offset + values.shape[0] * width, np.nan, dtype=values.dtype)
+        rows = store[offset:].reshape(values.shape[0], width)
+        rows[:, :num_heads] = values  # (NaN where values has it: the rows between sequences)
+        q = dataclasses.replace(p, bias_kind=cpa.RaggedBias(rows[:, :num_heads], p.bias_kind.offsets))
+        args, kwargs = device_args(q, to_cupy)
+        assert cpa.DecodePlan(*args, **kwargs).launch.spec.bias == "ragged-rows"
+        assert_close(run_cupy(q), paged_attention_ref(*q.args(), **q.kwargs()), dtype, f"row of {width}")
 
 
 def test_long_context_split(rng):
@@ -764,12 +773,18 @@ def test_hostile_t5_buckets_stay_in_bounds(rng, split, dtype, kind):
         cpa.paged_attention(*args, **kwargs, validate=True)
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16"])  # the FP32 loop; the tensor-core kernel (grouped queries)
-def test_hostile_ragged_offsets_stay_in_bounds(rng, split, dtype):
+@pytest.mark.parametrize(("dtype", "bias_dtype", "spec_bias"), [("f32", "f32", None), ("f16", "f32", "ragged"),
+                                                             ("f16", "f16", "ragged-rows")])
+def test_hostile_ragged_offsets_stay_in_bounds(rng, split, dtype, bias_dtype, spec_bias):
+    """Ragged offsets outside the values, on the FP32 loop and on the tensor-core kernel (grouped queries), whose
+    16-bit bias of adjacent heads is staged in shared memory (RaggedRowsBias): nothing outside the rows is read."""
     import cupy
 
-    p = make_problem(rng, [40, 30, 20, 10], num_heads=4, num_kv_heads=2, bias="ragged", dtype=dtype)
+    p = make_problem(rng, [40, 30, 20, 10], num_heads=8, num_kv_heads=2, bias="ragged", dtype=dtype,
+                     bias_dtype=bias_dtype)
     args, kwargs = device_args(p, to_cupy)
+    launch = cpa.DecodePlan(*args, **kwargs).launch
+    assert launch.tensor_cores == (spec_bias is not None) and (spec_bias is None or launch.spec.bias == spec_bias)
     values, offsets = p.bias_kind.values, p.bias_kind.offsets.copy()
     total = values.shape[0]
     # Offsets before, inside and past values; then rows too short for their sequences.

@@ -43,6 +43,8 @@ CASES = [  # (name, make_problem keywords, force split-K)
                                    bias="dense", bias_dtype="bf16", alibi=True), False),
     ("gqa4-f16-d128-dense-rows-split", dict(seq_lens=[301, 5, 77], num_heads=8, num_kv_heads=2, head_size=128,
                                             dtype="f16", bias="dense", bias_dtype="f16"), True),
+    ("gqa4-bf16-d128-ragged-rows-split", dict(seq_lens=[301, 5, 77], num_heads=8, num_kv_heads=2, head_size=128,
+                                              dtype="bf16", bias="ragged", bias_dtype="bf16"), True),
 ]
 
 
@@ -88,14 +90,17 @@ def run_prefill(name: str, kwargs: dict, split: bool, rng: np.random.Generator) 
 def hostile(rng: np.random.Generator) -> None:
     for split, dtype in ((False, "f32"), (True, "f32"), (False, "bf16"), (True, "f16")):  # bf16/f16: tensor cores
         decode._num_sms = (lambda device: 10**6) if split else (lambda device: 1)
-        p = make_problem(rng, [40, 30, 20, 10], num_heads=4, num_kv_heads=2, bias="dense", dtype=dtype)
+        bias_dtype = dtype if dtype != "f32" else "f32"  # 16-bit: the biases staged in shared memory
+        p = make_problem(rng, [40, 30, 20, 10], num_heads=4, num_kv_heads=2, bias="dense", dtype=dtype,
+                         bias_dtype=bias_dtype)
         tables = p.block_tables.copy()
         tables[0, 1], tables[1, 0], tables[2, 1] = -7, 2**31 - 1, p.key_cache.shape[0]
         args, kw = device_args(p, to_cupy)
         args[3] = cupy.asarray(tables)
         args[4] = cupy.asarray(np.array([40, -5, 10**9, 2**31 - 1], np.int32))
         cpa.paged_attention(*args, **kw)
-        r = make_problem(rng, [40, 30, 20, 10], num_heads=4, num_kv_heads=2, bias="ragged", dtype=dtype)
+        r = make_problem(rng, [40, 30, 20, 10], num_heads=8, num_kv_heads=2, bias="ragged", dtype=dtype,
+                         bias_dtype=bias_dtype)
         args, kw = device_args(r, to_cupy)
         total = r.bias_kind.values.shape[0]
         for offsets in ([-50, 46, 2**31 - 1, total - 5, total], [3, 10, 80, 103, 2**31 - 1]):
