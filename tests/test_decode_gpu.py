@@ -708,16 +708,31 @@ def test_second_gpu(rng):
 # ---------------------------------------------------------------------------------------------------------------
 # Hostile device data: never a fault, whatever the indices say
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])  # the FP32 loop; the tensor-core kernel (grouped queries)
-def test_hostile_block_ids_and_lengths_stay_in_bounds(rng, split, dtype):
+def check_hostile_launch(args, kwargs, split, spec_bias):
+    """The launch a hostile-data test means to reach: the FP32 loop (``spec_bias`` None) or the tensor-core kernel
+    with that bias specialisation, split in partitions exactly when the ``split`` fixture asks for it."""
+    launch = cpa.DecodePlan(*args, **kwargs).launch
+    assert launch.tensor_cores == (spec_bias is not None) and (spec_bias is None or launch.spec.bias == spec_bias)
+    assert (launch.num_parts > 1) == (split == "split-k")
+
+
+HOSTILE_PATHS = [("f32", "f32", None), ("bf16", "f32", "dense"), ("bf16", "bf16", "dense-rows")]
+
+
+@pytest.mark.parametrize(("dtype", "bias_dtype", "spec_bias"), HOSTILE_PATHS, ids=["fp32-loop", "tc", "tc-staged"])
+def test_hostile_block_ids_and_lengths_stay_in_bounds(rng, split, dtype, bias_dtype, spec_bias):
+    """Block ids outside the cache and lengths negative or far past the block table's capacity, on the FP32 loop and
+    the tensor-core kernel (a 16-bit bias staged in shared memory too), single pass and split: never a fault."""
     import cupy
 
-    p = make_problem(rng, [40, 30, 20, 10], num_heads=4, num_kv_heads=2, bias="dense", dtype=dtype)
+    p = make_problem(rng, [400, 300, 200, 100], num_heads=4, num_kv_heads=2, bias="dense", dtype=dtype,
+                     bias_dtype=bias_dtype)
     tables = p.block_tables.copy()
     tables[0, 1] = -7  # used entries outside [0, num_blocks)
     tables[1, 0] = 2**31 - 1
-    lens = np.array([40, -5, 10**9, 10], np.int32)  # negative and far past the table's capacity
+    lens = np.array([400, -5, 10**9, 100], np.int32)  # negative and far past the table's capacity
     args, kwargs = device_args(p, to_cupy)
+    check_hostile_launch(args, kwargs, split, spec_bias)
     args[3], args[4] = cupy.asarray(tables), cupy.asarray(lens)
     out = cpa.paged_attention(*args, **kwargs)
     cupy.cuda.get_current_stream().synchronize()  # an illegal access would raise here
@@ -774,26 +789,28 @@ def test_hostile_t5_buckets_stay_in_bounds(rng, split, dtype, kind):
 
 
 @pytest.mark.parametrize(("dtype", "bias_dtype", "spec_bias"), [("f32", "f32", None), ("f16", "f32", "ragged"),
-                                                             ("f16", "f16", "ragged-rows")])
+                                                             ("f16", "f16", "ragged-rows")],
+                         ids=["fp32-loop", "tc", "tc-staged"])
 def test_hostile_ragged_offsets_stay_in_bounds(rng, split, dtype, bias_dtype, spec_bias):
     """Ragged offsets outside the values, on the FP32 loop and on the tensor-core kernel (grouped queries), whose
-    16-bit bias of adjacent heads is staged in shared memory (RaggedRowsBias): nothing outside the rows is read."""
+    16-bit bias of adjacent heads is staged in shared memory (RaggedRowsBias), single pass and split: nothing outside
+    the rows is read."""
     import cupy
 
-    p = make_problem(rng, [40, 30, 20, 10], num_heads=8, num_kv_heads=2, bias="ragged", dtype=dtype,
+    p = make_problem(rng, [400, 300, 200, 100], num_heads=8, num_kv_heads=2, bias="ragged", dtype=dtype,
                      bias_dtype=bias_dtype)
     args, kwargs = device_args(p, to_cupy)
-    launch = cpa.DecodePlan(*args, **kwargs).launch
-    assert launch.tensor_cores == (spec_bias is not None) and (spec_bias is None or launch.spec.bias == spec_bias)
+    check_hostile_launch(args, kwargs, split, spec_bias)
     values, offsets = p.bias_kind.values, p.bias_kind.offsets.copy()
     total = values.shape[0]
-    # Offsets before, inside and past values; then rows too short for their sequences.
-    for bad in (np.array([-50, 46, 2**31 - 1, total - 5, total], np.int32), np.array([3, 10, 80, 103, 116], np.int32)):
+    # Offsets before, inside and past values; then rows too short for sequence 0 (7 of 400) with the others' intact.
+    short = np.array([3, 10, *(offsets[2:] + 1)], np.int32)
+    for bad in (np.array([-50, 46, 2**31 - 1, total - 5, total], np.int32), short):
         kwargs["attn_bias"] = cpa.RaggedBias(to_cupy(values), cupy.asarray(bad))
         out = to_numpy(cpa.paged_attention(*args, **kwargs))  # an illegal access would raise here
         if bad[0] < 0:
             assert (out[0] == 0).all() and (out[2] == 0).all(), "a sequence with no rows reads nothing"
-        with pytest.raises(ValueError, match=r"attn_bias.offsets: sequence 0 has 40 keys but rows"):
+        with pytest.raises(ValueError, match=r"attn_bias.offsets: sequence 0 has 400 keys but rows"):
             cpa.paged_attention(*args, **kwargs, validate=True)
     kwargs["attn_bias"] = cpa.RaggedBias(to_cupy(values), cupy.asarray(offsets))
     assert_close(to_numpy(cpa.paged_attention(*args, **kwargs, validate=True)),

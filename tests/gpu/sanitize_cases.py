@@ -88,22 +88,25 @@ def run_prefill(name: str, kwargs: dict, split: bool, rng: np.random.Generator) 
 
 
 def hostile(rng: np.random.Generator) -> None:
-    for split, dtype in ((False, "f32"), (True, "f32"), (False, "bf16"), (True, "f16")):  # bf16/f16: tensor cores
+    """Hostile device data on every decode path (FP32 loop, tensor cores with biases staged or not; single pass and
+    split, long enough sequences that the split has partitions), prefill and the cache write."""
+    # (split, dtype, bias dtype): the FP32 loop; the tensor cores, a 16-bit bias staged in shared memory or not
+    for split, dtype, bias_dtype in ((False, "f32", "f32"), (True, "f32", "f32"), (False, "bf16", "f32"),
+                                     (True, "bf16", "bf16"), (False, "f16", "f16"), (True, "f16", "f32")):
         decode._num_sms = (lambda device: 10**6) if split else (lambda device: 1)
-        bias_dtype = dtype if dtype != "f32" else "f32"  # 16-bit: the biases staged in shared memory
-        p = make_problem(rng, [40, 30, 20, 10], num_heads=4, num_kv_heads=2, bias="dense", dtype=dtype,
+        p = make_problem(rng, [400, 300, 200, 100], num_heads=4, num_kv_heads=2, bias="dense", dtype=dtype,
                          bias_dtype=bias_dtype)
         tables = p.block_tables.copy()
         tables[0, 1], tables[1, 0], tables[2, 1] = -7, 2**31 - 1, p.key_cache.shape[0]
         args, kw = device_args(p, to_cupy)
         args[3] = cupy.asarray(tables)
-        args[4] = cupy.asarray(np.array([40, -5, 10**9, 2**31 - 1], np.int32))
+        args[4] = cupy.asarray(np.array([400, -5, 10**9, 2**31 - 1], np.int32))
         cpa.paged_attention(*args, **kw)
-        r = make_problem(rng, [40, 30, 20, 10], num_heads=8, num_kv_heads=2, bias="ragged", dtype=dtype,
+        r = make_problem(rng, [400, 300, 200, 100], num_heads=8, num_kv_heads=2, bias="ragged", dtype=dtype,
                          bias_dtype=bias_dtype)
         args, kw = device_args(r, to_cupy)
         total = r.bias_kind.values.shape[0]
-        for offsets in ([-50, 46, 2**31 - 1, total - 5, total], [3, 10, 80, 103, 2**31 - 1]):
+        for offsets in ([-50, 46, 2**31 - 1, total - 5, total], [3, 10, 800, 1030, 2**31 - 1]):
             kw["attn_bias"] = cpa.RaggedBias(to_cupy(r.bias_kind.values), cupy.asarray(np.array(offsets, np.int32)))
             cpa.paged_attention(*args, **kw)
         for kind in ("t5-causal", "t5-wide", "t5-many"):  # the FP32 kernel's column and table paths, far keys
