@@ -132,11 +132,11 @@ def tensor_core_bias_mode(bias: _checks.CheckedBias, head_size: int, rows: int) 
     strides only (the arrays may sit at any address), where the stages fit beside ``rows`` rows of ``head_size``
     (_compile.decode_bias_fits)."""
     staged = bias.mode
-    if bias.dtype in ("f16", "bf16") and bias.mode == "dense" and bias.strides[3] == 1:
-        staged = "dense-rows"
-    if (bias.dtype in ("f16", "bf16") and bias.mode == "ragged" and bias.strides[1] == 1 and bias.strides[0] > 0
-            and bias.strides[0] % 8 == 0):
-        staged = "ragged-rows"
+    if bias.dtype in ("f16", "bf16"):
+        if bias.mode == "dense" and bias.strides[3] == 1:
+            staged = "dense-rows"
+        elif bias.mode == "ragged" and bias.strides[1] == 1 and bias.strides[0] > 0 and bias.strides[0] % 8 == 0:
+            staged = "ragged-rows"
     return staged if _compile.decode_bias_fits(staged, head_size, rows) else bias.mode
 
 
