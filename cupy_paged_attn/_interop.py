@@ -282,6 +282,14 @@ def signature(x: Any, kind: str) -> tuple[Any, ...]:
     return (x.dtype, x.shape, strides, x.device.id)
 
 
+def signatures(arrays: dict[str, Any], kind: str) -> dict[str, tuple[Any, ...]]:
+    """:func:`signature` of each array of ``arrays`` that is not None, by name; torch's read inline (a call's key
+    reads six or seven)."""
+    if kind == "torch":
+        return {name: (x.dtype, x.shape, x.stride(), x.get_device()) for name, x in arrays.items() if x is not None}
+    return {name: signature(x, kind) for name, x in arrays.items() if x is not None}
+
+
 def describe_signature(sig: tuple[Any, ...]) -> str:
     dtype, shape, strides, device = sig
     unit = "elements"
@@ -444,6 +452,17 @@ def empty(framework: str, shape: tuple[int, ...], dtype: Any, like: Any, stream:
 
     arr = cupy.empty(shape, dtype=dtype)
     return arr, arr
+
+
+def empty_like_torch(like: Any, stream: Any) -> Any:
+    """A contiguous torch tensor of ``like``'s shape, dtype and device, allocated for use on ``stream`` as
+    :func:`empty` allocates."""
+    import torch
+
+    if stream.torch_stream is None:
+        return torch.empty_like(like, memory_format=torch.contiguous_format)
+    with torch.cuda.stream(stream.torch_stream):
+        return torch.empty_like(like, memory_format=torch.contiguous_format)
 
 
 def scratch(framework: str, count: int, like: Any, stream: Any) -> tuple[Any, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import ctypes
 import dataclasses
 import functools
@@ -230,23 +231,28 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int,
 class _PackedArgs:
     """Kernel arguments in the form ``cuLaunchKernel`` reads: one 8-byte slot per argument and the array of the
     slots' addresses. A launch then converts nothing (a CuPy ``RawKernel`` call converts every argument on every
-    call); changing an argument is one NumPy item write."""
+    call); changing an argument is one item write. The slots are an ``array.array``, whose item write costs less
+    than a NumPy array's (a run writes seven to nine), and which cannot move while the typed views exist."""
 
     def __init__(self, named: list[tuple[str, np.generic]]) -> None:
-        self.slots = np.zeros(max(len(named), 1), np.uint64)
+        count = max(len(named), 1)
+        self.slots = array.array("Q", bytes(8 * count))
+        base = self.slots.buffer_info()[0]
+        self._addresses = array.array("Q", [base + 8 * i for i in range(count)])
+        self.address = self._addresses.buffer_info()[0]
+        raw = memoryview(self.slots).cast("B")
+        # dtype -> (view, items per slot, Python type of an item); a 4-byte argument sits in its slot's low half.
         self._typed = {
-            np.dtype(np.uint64): (self.slots, 1), np.dtype(np.int64): (self.slots.view(np.int64), 1),
-            np.dtype(np.int32): (self.slots.view(np.int32), 2), np.dtype(np.float32): (self.slots.view(np.float32), 2),
+            np.dtype(np.uint64): (self.slots, 1, int), np.dtype(np.int64): (raw.cast("q"), 1, int),
+            np.dtype(np.int32): (raw.cast("i"), 2, int), np.dtype(np.float32): (raw.cast("f"), 2, float),
         }
-        self.addresses = self.slots.ctypes.data + 8 * np.arange(len(named), dtype=np.uint64)
-        self.address = self.addresses.ctypes.data
         self.index = {name: i for i, (name, _) in enumerate(named)}
         for name, value in named:
             self.set(name, value)
 
     def set(self, name: str, value: np.generic) -> None:
-        view, step = self._typed[value.dtype]
-        view[self.index[name] * step] = value  # a 4-byte argument sits in the low half of its slot
+        view, step, kind = self._typed[value.dtype]
+        view[self.index[name] * step] = kind(value)
 
     def set_pointer(self, name: str, ptr: int) -> None:
         self.slots[self.index[name]] = ptr
@@ -475,6 +481,11 @@ class DecodePlan:
         # Per operand: its argument slot, and whether it needs unit last stride / 16-byte alignment (_point_at).
         self._operand_slots = {name: (self._args.index[param], name in _UNIT_STRIDE, name in _VECTOR_LOADS)
                                for name, param in _POINTER_PARAMS.items()}
+        both = (self._args, self._reduce_args)
+        self._out_slots = [(a.slots, a.index["out"]) for a in both]
+        self._workspace_slots = [(a.slots, a.index["part_acc"], a.index["part_ml"]) for a in both]
+        _, num_heads, head_size = self._query.shape
+        self._result_strides = (num_heads * head_size, head_size)  # a result of _new_out, contiguous
         dependent = launch.num_parts > 1 and _has_dependent_launch(device)  # only a split launch has a reduction
         self._dependent_reduce = (_DependentLaunch(self._reduce_function, launch.reduce_grid, launch.reduce_threads,
                                                    self._reduce_args) if dependent and DEPENDENT_REDUCE else None)
@@ -492,10 +503,19 @@ class DecodePlan:
         num_seqs, num_heads, head_size = self._query.shape
         rows = num_seqs * num_heads * self._launch.num_parts
         owner, ptr = _interop.scratch(self._framework, rows * (head_size + 2), like, stream)
-        for args in (self._args, self._reduce_args):
-            args.set_pointer("part_acc", ptr)
-            args.set_pointer("part_ml", ptr + 4 * rows * head_size)
+        for slots, acc, ml in self._workspace_slots:
+            slots[acc], slots[ml] = ptr, ptr + 4 * rows * head_size
         return owner
+
+    def _new_out(self, like: Any, launch_stream: Any) -> tuple[Any, int, tuple[int, ...]]:
+        """A contiguous result like the query (``like``) for use on ``launch_stream``: the array for the caller, its
+        address and its strides in elements."""
+        if self._framework == "torch":  # torch.empty_like: a third of what torch.empty with a device costs
+            result = _interop.empty_like_torch(like, launch_stream)
+            return result, result.data_ptr(), self._result_strides
+        q = self._query
+        result, arr = _interop.empty(self._framework, q.shape, q.dtype, like, launch_stream)
+        return result, _interop.data_ptr(arr), _checks.element_strides(arr)
 
     @property
     def launch(self) -> DecodeLaunch:
@@ -571,25 +591,23 @@ class DecodePlan:
         """Check each operand (torch or CuPy arrays, per ``kind``) against the plan, unless ``signatures`` holds
         theirs already matched, and point the kernel at it. An operand with a strided last dimension is copied on
         the launch stream; returns the copies, which the caller keeps until the launch is queued."""
-        copies = []
-        slots, operand_slots = self._args.slots, self._operand_slots
-        for name, x in arrays.items():
-            if x is None:
-                continue
-            slot, unit_stride, vector_loads = operand_slots[name]
-            if signatures is None:
-                sig = _interop.signature(x, kind)
+        if signatures is None:  # run(): each operand compared with the plan's
+            signatures = _interop.signatures(arrays, kind)
+            for name, sig in signatures.items():
                 if sig != self._signatures[name]:
                     raise ValueError(f"{name}: the plan was built for "
                                      f"{_interop.describe_signature(self._signatures[name])}, got "
                                      f"{_interop.describe_signature(sig)}")
-            else:
-                sig = signatures[name]
+        copies = []
+        slots, operand_slots, torch_arrays = self._args.slots, self._operand_slots, kind == "torch"
+        for name, sig in signatures.items():
+            x = arrays[name]
+            slot, unit_stride, vector_loads = operand_slots[name]
             if unit_stride and sig[2] and sig[2][-1] != 1:
                 with _interop.stream_current(kind, launch_stream):
                     x = _interop.native_contiguous(x, kind)
                 copies.append(x)
-            ptr = _interop.native_pointer(x, kind)
+            ptr = x.data_ptr() if torch_arrays else x.data.ptr
             if vector_loads and ptr % 16:  # the one check of an address: the same shape may sit anywhere
                 _checks.check_aligned(name, ptr)
             slots[slot] = ptr
@@ -616,9 +634,9 @@ class DecodePlan:
         """Launch with the operand addresses set; ``out`` None allocates the result like ``like`` (the query)."""
         q = self._query
         if out is None:
-            result, out_arr = _interop.empty(self._framework, q.shape, q.dtype, like, launch_stream)
+            result, out_ptr, out_strides = self._new_out(like, launch_stream)
         elif self._framework in ("torch", "cupy"):
-            result, out_arr = out, out
+            result = out
             kind = self._framework
             try:
                 sig = _interop.signature(out, kind)
@@ -631,20 +649,18 @@ class DecodePlan:
                 _checks.check_out(_interop.wrap("out", out, kind).array, q)  # names what is wrong
                 raise ValueError(f"out: expected an array on device {self._device} like query, got device "
                                  f"{sig[3] if sig else None}")
+            out_ptr, out_strides = _interop.native_pointer(out, kind), sig[2]
         else:
             result, out_arr = out, _interop.wrap("out", out, self._framework).array
             _checks.check_out(out_arr, q)
+            out_ptr, out_strides = _interop.data_ptr(out_arr), _checks.element_strides(out_arr)
         if q.shape[0] == 0:
             return _interop.finish(self._framework, result)
         workspace = None  # a call's own split-K workspace, alive until the launch is queued
         if self._launch.num_parts > 1 and not self._owns_workspace:
             workspace = self._new_workspace(like, launch_stream)
-        if out_arr is out:
-            out_ptr, out_strides = _interop.native_pointer(out, self._framework), sig[2]
-        else:
-            out_ptr, out_strides = _interop.data_ptr(out_arr), _checks.element_strides(out_arr)
-        for args in (self._args, self._reduce_args):
-            args.set_pointer("out", out_ptr)
+        for slots, slot in self._out_slots:
+            slots[slot] = out_ptr
         if out_strides[:2] != self._out_strides:
             self._out_strides = tuple(out_strides[:2])
             for args in (self._args, self._reduce_args):
@@ -678,24 +694,25 @@ _NATIVE = {"torch": "torch", "cupy": "cupy"}  # the top-level module of an opera
 
 
 def _plan_key(named: dict[str, Any], scale: Any, kv_layout: Any,
-              attn_bias: Any) -> tuple[tuple[Any, ...], dict[str, tuple[Any, ...]]] | None:
-    """paged_attention's key for operands ``named`` (as :func:`_operands` names them) of torch or CuPy, and their
-    signatures; None for other frameworks, or operands that a signature cannot read (the checks then name them)."""
+              attn_bias: Any) -> tuple[tuple[Any, ...], dict[str, tuple[Any, ...]], DecodePlan | None] | None:
+    """paged_attention's key for operands ``named`` (as :func:`_operands` names them) of torch or CuPy, their
+    signatures and this thread's plan of that key (None if it has none yet); None for other frameworks, or
+    operands that a signature cannot read (the checks then name them)."""
     kind = _NATIVE.get(type(named["query"]).__module__.partition(".")[0])
     if kind is None:
         return None
     try:
-        signatures = {name: _interop.signature(x, kind) for name, x in named.items() if x is not None}
+        signatures = _interop.signatures(named, kind)
         device = signatures["query"][3]
         if device < 0:  # a torch tensor on the CPU
             return None
-        key = (kind, tuple([type(x) for x in named.values()]), tuple(signatures.values()), type(scale), scale,
-               kv_layout, _checks.bias_geometry(attn_bias), _num_sms(device), TENSOR_CORE_MIN_GROUP,
-               DEPENDENT_REDUCE, DEPENDENT_ATTENTION, LONGEST_FIRST)
-        hash(key)
+        key = (kind, tuple(map(type, named.values())), tuple(signatures.values()), type(scale), scale, kv_layout,
+               _checks.bias_geometry(attn_bias), _num_sms(device), TENSOR_CORE_MIN_GROUP, DEPENDENT_REDUCE,
+               DEPENDENT_ATTENTION, LONGEST_FIRST)
+        plan = _PLANS.__dict__.get("plans", {}).get(key)  # hashes the key: an unhashable scale or layout raises
     except (AttributeError, TypeError):  # not an array of the query's framework; an unhashable scale or layout
         return None
-    return key, signatures
+    return key, signatures, plan
 
 
 def _problem_key(problem: _checks.DecodeProblem, framework: str, device: int) -> tuple[Any, ...]:
@@ -860,10 +877,8 @@ def paged_attention(
     """
     operands = _operands(query, key_cache, value_cache, block_tables, seq_lens, attn_bias, alibi_slopes)
     keyed = _plan_key(operands, scale, kv_layout, attn_bias)
-    if keyed is not None and not validate:
-        plan = _PLANS.__dict__.get("plans", {}).get(keyed[0])
-        if plan is not None:
-            return plan._run_native(operands, out, query, stream, keyed[1])
+    if keyed is not None and keyed[2] is not None and not validate:
+        return keyed[2]._run_native(operands, out, query, stream, keyed[1])
     named = {**operands, "out": out}
     framework = _interop.call_framework(named, ("attn_bias", "alibi_slopes", "out"), stream=stream, out=out)
     if framework == "numpy":

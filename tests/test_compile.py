@@ -429,6 +429,23 @@ def test_host_mirror_check_catches_a_mismatch():
         _compile.compile_offline("paged_prefill.cu", [], "sm_90", wrong)
 
 
+def test_packed_args_are_what_cuLaunchKernel_reads():
+    """_PackedArgs holds one 8-byte slot per argument, a 4-byte one in the slot's low half, and an array of the slots'
+    addresses (kernelParams); a write after packing lands in the slot the launch reads."""
+    import ctypes
+
+    named = [("ptr", np.uint64(2**63 + 5)), ("n", np.int32(-7)), ("scale", np.float32(0.125)), ("stride", np.int64(-3))]
+    args = decode._PackedArgs(named)
+    params = (ctypes.c_void_p * len(named)).from_address(args.address)
+    read = [ctypes.c_uint64, ctypes.c_int32, ctypes.c_float, ctypes.c_int64]
+    assert [t.from_address(p).value for t, p in zip(read, params, strict=True)] == [2**63 + 5, -7, 0.125, -3]
+    args.set_pointer("ptr", 0xDEAD0000)
+    args.set("n", np.int32(9))
+    assert ctypes.c_uint64.from_address(params[0]).value == 0xDEAD0000
+    assert ctypes.c_int32.from_address(params[1]).value == 9
+    assert ctypes.c_uint32.from_address(params[1] + 4).value == 0  # the high half of a 4-byte argument's slot
+
+
 def test_dependent_launch_structs_match_the_driver_abi():
     """The ctypes mirrors of cuLaunchKernelEx's structs have cuda.h's layout (CUDA 12 and 13, 64-bit):
     CUlaunchAttribute is an int id, 4 bytes of padding and a 64-byte value union (72 bytes); CUlaunchConfig is six

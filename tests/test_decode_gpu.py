@@ -657,8 +657,8 @@ def test_paged_attention_reuses_its_plan_and_still_checks(rng, framework):
 
 
 def test_plan_strided_operands_and_graph(rng):
-    """A plan whose query has a strided last dimension copies it on every run, on the run's stream; a torch CUDA
-    graph of plan.run replays the eager result."""
+    """A plan whose query has a strided last dimension copies it on every run, on the run's stream; a query of
+    another dense order gets a contiguous result; a torch CUDA graph of plan.run replays the eager result."""
     torch = pytest.importorskip("torch")
     p = make_problem(rng, [500, 64, 5], num_heads=8, num_kv_heads=2, head_size=64, dtype="f16", bias="t5-causal",
                      bias_dtype="f16")
@@ -669,6 +669,13 @@ def test_plan_strided_operands_and_graph(rng):
     expected = paged_attention_ref(*p.args(), **p.kwargs())
     plan = cpa.DecodePlan(strided, *args[1:], **kwargs)
     assert_close(to_numpy(plan.run(strided, *args[1:], attn_bias=kwargs["attn_bias"])), expected, "f16", "strided")
+    # A dense query in another order (heads outermost): the result is allocated contiguous, as its strides say.
+    permuted = args[0].permute(1, 0, 2).contiguous().permute(1, 0, 2)
+    permuted_plan = cpa.DecodePlan(permuted, *args[1:], **kwargs)
+    for result in (permuted_plan.run(permuted, *args[1:], attn_bias=kwargs["attn_bias"]),
+                   cpa.paged_attention(permuted, *args[1:], **kwargs)):
+        assert result.is_contiguous() and result.shape == permuted.shape
+        assert_close(to_numpy(result), expected, "f16", "permuted query")
 
     plan = cpa.DecodePlan(*args, **kwargs)
     out = torch.full_like(args[0], float("nan"))
