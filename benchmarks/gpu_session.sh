@@ -3,7 +3,8 @@
 # root of a source checkout on the GPU machine:
 #
 #   bash benchmarks/gpu_session.sh tests     every GPU test (8 workers), compute-sanitizer memcheck over the
-#                                            representative launches, the examples, host overhead, compile times
+#                                            representative launches, the examples, host overhead and where it
+#                                            goes, compile times
 #   bash benchmarks/gpu_session.sh bench     bench_decode.py and bench_prefill.py, results into $OUT (or bench_out)
 #   bash benchmarks/gpu_session.sh two-gpu   what needs two GPUs (a machine of kind nvidia-h200-x2)
 #
@@ -34,6 +35,7 @@ case "${1:-tests}" in
     step serving-loop 60 python3 examples/serving_loop.py
     step t5-generate 150 python3 examples/t5_generate.py
     step host-overhead 60 python3 benchmarks/host_overhead.py --calls 1000
+    step host-pieces 90 python3 benchmarks/host_pieces.py
     step compile-time 120 python3 benchmarks/compile_time.py
     ;;
   bench)

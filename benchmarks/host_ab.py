@@ -3,8 +3,8 @@
 Host timings of separate processes differ by up to ~50 % on the machines lent here (the same code took 17 µs in one
 process and 25 µs in the next); one process that imports both trees and alternates between them compares like with
 like. Each round times every call of both trees (``DecodePlan.run`` without a bias and with a dense one,
-``paged_attention`` with a dense one, all with ``out=``) in the latency case of ``host_overhead.py``, and prints
-the median of each round.
+``paged_attention`` with a dense one, all with ``out=``; both with a dense bias and the result allocated) in the
+latency case of ``host_overhead.py``, and prints the median of each round.
 
 Run on a GPU machine from the repository root, with trees made by ``git archive`` (``A`` and ``B`` each hold a
 ``cupy_paged_attn`` package): ``python3 benchmarks/host_ab.py A B [--rounds 6] [--calls 600]``.
@@ -46,6 +46,8 @@ def calls_of(cpa: ModuleType, case: dict[str, Any]) -> dict[str, Callable[[], An
         "plan.run, no bias, out=": lambda: plan_none.run(q, k, v, tables, lens, out=out),
         "plan.run, dense, out=": lambda: plan_dense.run(q, k, v, tables, lens, attn_bias=bias, out=out),
         "paged_attention, dense, out=": lambda: cpa.paged_attention(q, k, v, tables, lens, attn_bias=bias, out=out),
+        "plan.run, dense (result allocated)": lambda: plan_dense.run(q, k, v, tables, lens, attn_bias=bias),
+        "paged_attention, dense (result allocated)": lambda: cpa.paged_attention(q, k, v, tables, lens, attn_bias=bias),
     }
 
 
