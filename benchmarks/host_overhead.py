@@ -34,12 +34,12 @@ def latency_case(heads: int = 16, kv_heads: int = 16) -> dict[str, Any]:
     }
 
 
-def host_times(call: Callable[[], Any], calls: int) -> list[float]:
-    """Seconds on the host of each of ``calls`` calls of ``call`` (after 50 warm-up calls), with no synchronisation
+def host_times(call: Callable[[], Any], calls: int, warmup: int = 50) -> list[float]:
+    """Seconds on the host of each of ``calls`` calls of ``call`` (after ``warmup`` calls), with no synchronisation
     inside a call; the GPU is synchronised every 200 calls, to keep the launch queue short."""
     import torch
 
-    for _ in range(50):
+    for _ in range(warmup):
         call()
     torch.cuda.synchronize()
     times = []

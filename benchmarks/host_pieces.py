@@ -2,7 +2,7 @@
 the torch and CuPy primitives a call is made of, the library's stages, then the whole calls.
 
 Run on a GPU machine: ``PYTHONPATH=. python3 benchmarks/host_pieces.py``. Each row is the median of 4000 calls of
-one piece (after 300 warm-up calls; the GPU synchronised every 200), timed by ``time.perf_counter_ns`` around the
+one piece (after 300 warm-up calls; the GPU synchronised every 200), timed by ``time.perf_counter`` around the
 call, the Python call of the timed lambda included ("empty python call" is that overhead alone). The stages call
 private functions of ``cupy_paged_attn.decode`` as a call runs them; a launch row queues the kernel on the null
 stream with the plan's last arguments. Where ``host_overhead.py`` says what a call costs, this says where it goes.
@@ -11,31 +11,17 @@ stream with the plan's last arguments. Where ``host_overhead.py`` says what a ca
 from __future__ import annotations
 
 import array
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from host_overhead import latency_case
+from host_overhead import host_times, latency_case
 
 
 def median_us(fn: Callable[[], Any], calls: int = 4000) -> tuple[float, float]:
     """Median and 10th percentile of ``fn``'s host time, µs."""
-    import torch
-
-    for _ in range(300):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for i in range(calls):
-        t0 = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - t0)
-        if i % 200 == 199:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    times.sort()
-    return times[len(times) // 2] / 1e3, times[len(times) // 10] / 1e3
+    times = sorted(host_times(fn, calls, warmup=300))
+    return times[len(times) // 2] * 1e6, times[len(times) // 10] * 1e6
 
 
 def row(label: str, fn: Callable[[], Any]) -> None:
