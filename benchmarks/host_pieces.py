@@ -17,6 +17,9 @@ from typing import Any
 import numpy as np
 from host_overhead import host_times, latency_case
 
+#: latency_case's arrays, in the order of paged_attention's operands, then the bias and an out.
+CASE_ARRAYS = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "bias", "out")
+
 
 def median_us(fn: Callable[[], Any], calls: int = 4000) -> tuple[float, float]:
     """Median and 10th percentile of ``fn``'s host time, µs."""
@@ -71,8 +74,7 @@ def stages(case: dict[str, Any], plan: Any) -> None:
     """The library's steps of a call with a dense bias, one at a time."""
     from cupy_paged_attn import _checks, _interop, decode
 
-    q, k, v, tables, lens, bias, out = (case[n] for n in ("query", "key_cache", "value_cache", "block_tables",
-                                                          "seq_lens", "bias", "out"))
+    q, k, v, tables, lens, bias, out = (case[n] for n in CASE_ARRAYS)
     row("_operands(...)", lambda: decode._operands(q, k, v, tables, lens, None, None))
     row("_operands(..., dense)", lambda: decode._operands(q, k, v, tables, lens, bias, None))
     named = decode._operands(q, k, v, tables, lens, bias, None)
@@ -95,8 +97,7 @@ def stages(case: dict[str, Any], plan: Any) -> None:
 def calls(case: dict[str, Any], plan_none: Any, plan_dense: Any) -> None:
     import cupy_paged_attn as cpa
 
-    q, k, v, tables, lens, bias, out = (case[n] for n in ("query", "key_cache", "value_cache", "block_tables",
-                                                          "seq_lens", "bias", "out"))
+    q, k, v, tables, lens, bias, out = (case[n] for n in CASE_ARRAYS)
     for label, call, kwargs in (
         ("paged_attention none", cpa.paged_attention, {}),
         ("paged_attention none out=", cpa.paged_attention, {"out": out}),
@@ -114,7 +115,7 @@ def main() -> None:
 
     for heads, kv_heads in ((16, 16), (32, 8)):
         case = latency_case(heads, kv_heads)
-        operands = [case[n] for n in ("query", "key_cache", "value_cache", "block_tables", "seq_lens")]
+        operands = [case[n] for n in CASE_ARRAYS[:5]]
         plan_none = cpa.DecodePlan(*operands)
         plan_dense = cpa.DecodePlan(*operands, attn_bias=case["bias"])
         launch = plan_none.launch

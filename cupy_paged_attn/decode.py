@@ -510,7 +510,7 @@ class DecodePlan:
     def _new_out(self, like: Any, launch_stream: Any) -> tuple[Any, int, tuple[int, ...]]:
         """A contiguous result like the query (``like``) for use on ``launch_stream``: the array for the caller, its
         address and its strides in elements."""
-        if self._framework == "torch":  # torch.empty_like: a third of what torch.empty with a device costs
+        if self._framework == "torch":  # torch.empty_like: about half of what torch.empty with a device costs
             result = _interop.empty_like_torch(like, launch_stream)
             return result, result.data_ptr(), self._result_strides
         q = self._query
