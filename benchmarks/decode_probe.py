@@ -19,8 +19,8 @@ graphs over ``--sets`` input sets, median of ``--reps``), each printing a table:
     The ragged-length MHA case (B64 H16/16 d64 L 1024-2048) and the B64 L2048 case with the keys split into 1-4
     partitions (``decode._CTAS_PER_SM_TARGET``) and split grids capped at 3 or 4 CTAs per SM.
 ``gqa-split``
-    The grouped-query cases of the tensor-core kernel (B32 H32/8 d128 L8192, B16 H32/8 d128 L16384 fp16, the two
-    widely spread ones, two of equal lengths in more than one wave, and six of less than one wave that the one-wave
+    The grouped-query cases of the tensor-core kernel (B32 H32/8 d128 L8192, B16 H32/8 d128 L16384 fp16, B1 H32/8
+    d128 L65536 in 24 to 147 partitions, the two widely spread ones, two of equal lengths in more than one wave, and six of less than one wave that the one-wave
     rule leaves unsplit) with their keys forced into a given number of partitions (``decode.split_keys`` replaced):
     B32's 256 CTAs run unsplit, two per SM on most SMs where three fit; B64 H32/8 d128 L4096's 512 CTAs make 1.3
     waves of the 396 that an H200 holds.
@@ -595,7 +595,8 @@ def split(args: argparse.Namespace, timer: bd.Timer) -> list[tuple[str, str, flo
     return table
 
 
-GQA_SPLIT_CASES = {3: (1, 2, 3, 4, 6), 5: (3, 6, 9), 11: (2, 3), 12: (2, 3)}  # case -> partitions
+GQA_SPLIT_CASES = {3: (1, 2, 3, 4, 6), 5: (3, 6, 9), 6: (24, 33, 41, 45, 55, 66, 98, 147), 11: (2, 3, 4, 6),
+                   12: (2, 3)}  # case -> partitions
 #: Grids of more than one wave with equal lengths (the H200 holds 396 CTAs of these): probe-only cases, their seeds
 #: those of indices past bench_decode's.
 GQA_WAVE_CASES = ((bd.Case(64, 32, 8, 128, 4096), (2, 3, 4)), (bd.Case(128, 32, 8, 128, 2048), (2, 3)))

@@ -42,9 +42,11 @@ DEPENDENT_REDUCE = True
 #: 7.7 us without a bias, 8.6 -> 7.9-8.0 dense. Split grids only: unsplit ones of several waves ran 0.6-1 % slower
 #: launched so (B64 H16 d64 L2048, ragged lengths, B8 long ragged). False: plain launches (A/B runs).
 DEPENDENT_ATTENTION = True
-#: An unsplit decode grid of more than one wave over 2 to 256 sequences takes them longest first (``seq_of_rank``
-#: in common.cuh; the FP32 and the tensor-core kernels): the hardware starts CTAs in index order, so the last wave
-#: then holds the shortest sequences and the grid ends evenly. False: sequences in index order (A/B runs).
+#: A decode grid of more than one wave over 2 to 256 sequences takes them longest first (``seq_of_rank`` in
+#: common.cuh): the hardware starts CTAs in index order, so the last wave then holds the shortest sequences and the
+#: grid ends evenly. The FP32 kernel orders unsplit grids only; the tensor-core kernel split ones too, sequence by
+#: sequence, each cut into the partitions by its own length (paged_prefill.cu). False: sequences in index order,
+#: partitions of max_len's ``tokens_per_part`` (A/B runs).
 LONGEST_FIRST = True
 _MAX_LONGEST_FIRST_SEQS = 256  # kMaxLongestFirstSeqs: the sequences one CTA ranks
 
@@ -100,7 +102,9 @@ class DecodeLaunch:
     specialisation (the FP32 kernel of paged_decode.cu, or the tensor-core kernel of paged_prefill.cu in its decode
     tiling), grid, threads and dynamic shared memory, key partitioning, and the split-K reduction's grid and threads
     (per (M tile, KV head) like the tensor-core CTAs and per chunk of their output elements; else per (sequence,
-    query head))."""
+    query head)). Partition p holds keys ``[p·tokens_per_part, (p + 1)·tokens_per_part)``, except in a split
+    tensor-core grid taken ``longest_first``, which cuts each sequence's own length into ``num_parts`` runs of
+    whole tiles (at most ``tokens_per_part`` keys each)."""
 
     spec: _compile.DecodeSpec | _compile.PrefillSpec
     grid: tuple[int, int, int]

@@ -327,23 +327,44 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
   float* far_s = rel_s + REL_TABLE;                                                   // [2][ROWS]
 
   CtaRows cta = cta_rows(tile_info, query_start_loc, total_q, group_size, num_kv_heads, ROWS);
+  int part = blockIdx.z;
   // Decode: where the first tiles' block ids are read (load_id before the loop: first_ids[i − first_base] is block
   // id i): the block table, or with longest_first and a sequence that is the row's own (a batch already longest
   // first, equal lengths included) the copy of the row's first ids that travelled to shared memory while the CTA
   // ranked. (Prefill reads the block table only: its code stays as it was, and so do its compile time and registers.)
   const int* first_ids = nullptr;
   int first_base = 0;
+  // A ranked split grid (longest_first, num_parts > 1) runs sequence by sequence: the CTA at place i of the issue
+  // order (blockIdx.x fastest, then z) takes partition i / per % num_parts of the sequence of rank
+  // i / (per · num_parts), per = tiles · num_kv_heads CTAs per partition, and cuts that sequence's own keys into
+  // num_parts equal runs of whole tiles (not max_len's tokens_per_part). The work then starts longest first in
+  // pieces of about equal size per sequence, where partition by partition each sequence's last pieces came in a
+  // later pass than other sequences' first ones (H200, B64 H32/8 d128 L∈[128, 8192], no bias: 306.8 -> 293.4 us;
+  // benchmarks/NOTES.md, session 23).
+  bool balanced = false;
+  int first_key = 0;
   if constexpr (L::kDecode) {
     if (longest_first) {  // the same for every thread of the CTA
+      int row = cta.s;
+      if (num_parts > 1) {
+        const int tiles = (group_size + ROWS - 1) / ROWS;
+        const int per = tiles * num_kv_heads;
+        const int i = static_cast<int>(blockIdx.z * gridDim.x + blockIdx.x);
+        const int in_part = i % per;
+        cta.kvh = in_part % num_kv_heads;
+        cta.tile = in_part / num_kv_heads;
+        row = i / per / num_parts;
+        part = i / per % num_parts;
+        balanced = true;
+      }
       // The ranking's lengths, then the row's first ids, live in the last K/V stage, which no copy writes before
       // the loop's first barrier (the prologue fills stages 0 ... AHEAD − 1).
       int* lens_s = reinterpret_cast<int*>(kv_s + (STAGES - 1) * 2 * TILE_N * ROW);
       int* ids_s = lens_s + kMaxLongestFirstSeqs + 4;
       static_assert(STAGES == AHEAD + 1 && (kMaxLongestFirstSeqs + 4 + (AHEAD + 1) * TILE_N) * 4 <=
                                                2 * TILE_N * ROW * kVecBytes, "room to rank in the last stage");
-      const int row = cta.s;
       const int* row_ids = block_tables + row * block_table_stride;
-      const int first_key = static_cast<int>(blockIdx.z) * tokens_per_part;  // kstart (below, where prefill has it)
+      first_key = part * tokens_per_part;  // kstart (below) when the sequence is max_len long
       first_base = first_key >> block_shift;
       const int num_ids = ((min(first_key + (AHEAD + 1) * TILE_N, max_len) - 1) >> block_shift) - first_base + 1;
       copy_row_ids<L::THREADS, (AHEAD + 1) * TILE_N>(row_ids + first_base, num_ids, ids_s);
@@ -355,7 +376,6 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
   if (s < 0) return;  // a spare tile of the host-sized grid (uniform over the CTA: no barrier is skipped)
   const int m0 = cta.tile * ROWS;  // first packed row of this CTA
   const int kvh = cta.kvh;
-  const int part = blockIdx.z;
   const int G = group_size;
   const int tid = threadIdx.x;
   const int warp = tid / kWarpSize;
@@ -372,8 +392,13 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
   const int len = seq_bias.limit(clamped_len(seq_lens, s, max_len));
   const int pos0 = len - q_len;  // absolute position of query row 0
   const int rows_total = q_len * G;
-  const int kstart = part * tokens_per_part;
-  const int kend = min(kstart + tokens_per_part, len);
+  const int part_keys = balanced ? max(TILE_N, ((len + num_parts - 1) / num_parts + TILE_N - 1) / TILE_N * TILE_N)
+                                 : tokens_per_part;
+  const int kstart = part * part_keys;
+  const int kend = min(kstart + part_keys, len);
+  if constexpr (L::kDecode) {
+    if (kstart != first_key) first_ids = nullptr;  // (the ids copied start at first_key)
+  }
 
   // Rows of the whole CTA: the last one written, and the position span (for the causal key range, T5's table).
   const int last_row = min(rows_total, m0 + ROWS) - 1;

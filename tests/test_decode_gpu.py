@@ -167,26 +167,45 @@ def test_single_pass_and_split_k_agree(rng, monkeypatch):
     assert_close(results["split"], paged_attention_ref(*p.args(), **p.kwargs()), "f32")
 
 
-def ranked_problem(rng, num_seqs, longest, heads, head_size, bias):
+def ranked_problem(rng, num_seqs, longest, heads, head_size, bias, in_order=False):
     """A bf16 problem of ``num_seqs`` lengths below ``longest``, ties and an empty sequence among them, for the
-    longest-first tests."""
+    longest-first tests; ``in_order``: the lengths already longest first (each CTA's rank is then its own row)."""
     lens = [int(n) for n in rng.integers(0, longest, num_seqs)]
     lens[: min(num_seqs, 4)] = [longest - 1, 0, longest - 1, 1][: min(num_seqs, 4)]
+    if in_order:
+        lens.sort(reverse=True)
     return make_problem(rng, lens, num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size, dtype="bf16",
                         bias=bias, bias_dtype="bf16", alibi=True, spare_blocks=1, extra_table_cols=0)
 
 
+def run_plan_poisoned(p):
+    """``p`` through a DecodePlan whose output and split-K workspace hold NaN before the run: a partial that no CTA
+    writes, or an output row, shows in the result. Returns the result and the plan's launch."""
+    import cupy
+
+    args, kwargs = device_args(p, to_cupy)
+    plan = cpa.DecodePlan(*args, **kwargs)
+    if plan._workspace is not None:
+        plan._workspace.fill(np.nan)
+    out = cupy.full(p.query.shape, np.nan, dtype=p.query.dtype)
+    plan.run(*args, **{k: kwargs[k] for k in ("attn_bias", "alibi_slopes")}, out=out)
+    cupy.cuda.get_current_stream().synchronize()
+    return to_numpy(out), plan.launch
+
+
 def assert_order_changes_nothing(monkeypatch, p, check_launch):
-    """Run ``p`` with ``decode.LONGEST_FIRST`` on and off, ``check_launch(launch, order)`` on each plan: the same bits
-    both ways, and the reference's answer (out poisoned: every row written)."""
+    """Run ``p`` with ``decode.LONGEST_FIRST`` on and off (:func:`run_plan_poisoned`), ``check_launch(launch, order)``
+    on each plan: the reference's answer both ways, and the same bits both ways when the grid is not split. (A
+    ranked split grid cuts each sequence's own keys into its partitions, index order cuts max_len's: the partials
+    then round differently.)"""
     results = {}
     for order in (True, False):
         monkeypatch.setattr(decode, "LONGEST_FIRST", order)
-        args, kwargs = device_args(p, to_cupy)
-        check_launch(cpa.DecodePlan(*args, **kwargs).launch, order)
-        results[order] = run_cupy(p)
-    np.testing.assert_array_equal(results[True], results[False])
-    assert_close(results[True], paged_attention_ref(*p.args(), **p.kwargs()), "bf16")
+        results[order], launch = run_plan_poisoned(p)
+        check_launch(launch, order)
+        assert_close(results[order], paged_attention_ref(*p.args(), **p.kwargs()), "bf16", f"order {order}")
+    if launch.num_parts == 1:
+        np.testing.assert_array_equal(results[True], results[False])
 
 
 @pytest.mark.parametrize(("num_seqs", "bias"), [(2, "dense"), (37, "dense"), (256, "dense"), (37, "ragged"),
@@ -194,12 +213,12 @@ def assert_order_changes_nothing(monkeypatch, p, check_launch):
 @pytest.mark.parametrize(("heads", "head_size"), [((4, 4), 64), ((8, 2), 64), ((32, 2), 128)],
                          ids=["fp32-kernel", "tensor-cores-8-rows", "tensor-cores-16-rows"])
 def test_longest_first_order(rng, monkeypatch, num_seqs, bias, heads, head_size):
-    """Sequences taken longest first (ties and an empty one among them) give what index order gives, bit for bit,
-    and the reference's answer, on the FP32 kernel and the tensor-core one (8 and 16 rows per CTA: 128 threads
-    rank two sequences each past 128), with each bias kind (T5's FP32 kernels reread the sequence from shared
-    memory); every output row is written (out poisoned). 256 sequences is the most one ranking takes. (Lengths past
-    the block table and negative ones: test_hostile_block_ids_and_lengths_stay_in_bounds, whose single-pass grids
-    are ordered so too.)"""
+    """Sequences taken longest first (ties and an empty one among them) give the reference's answer, and what index
+    order gives bit for bit where the grid is not split, on the FP32 kernel and the tensor-core one (8 and 16 rows
+    per CTA: 128 threads rank two sequences each past 128), with each bias kind (T5's FP32 kernels reread the
+    sequence from shared memory); every output row and partial is written (out and workspace poisoned). 256
+    sequences is the most one ranking takes. (Lengths past the block table and negative ones:
+    test_hostile_block_ids_and_lengths_stay_in_bounds, whose single-pass grids are ordered so too.)"""
     monkeypatch.setattr(decode, "_num_sms", lambda device: 1)  # every grid is then several waves
 
     def check_launch(launch, order):
@@ -210,12 +229,16 @@ def test_longest_first_order(rng, monkeypatch, num_seqs, bias, heads, head_size)
                                  check_launch)
 
 
-@pytest.mark.parametrize(("num_seqs", "bias"), [(37, "dense"), (37, "ragged"), (256, "t5-bidir"), (150, "none")])
+@pytest.mark.parametrize(("num_seqs", "bias", "in_order"), [(37, "dense", False), (37, "ragged", False),
+                                                            (256, "t5-bidir", False), (150, "none", False),
+                                                            (37, "dense", True)])
 @pytest.mark.parametrize(("heads", "head_size"), [((8, 2), 64), ((32, 2), 128)], ids=["8-rows", "16-rows"])
-def test_longest_first_tail_split(rng, monkeypatch, num_seqs, bias, heads, head_size):
+def test_longest_first_tail_split(rng, monkeypatch, num_seqs, bias, in_order, heads, head_size):
     """A tensor-core grid of between one wave and one and a half is split (decode.tail_parts) and still taken longest
-    first: each partition's CTAs rank the sequences, whose block ids then start past the partition's first key. The
-    same bits as index order, the reference's answer, every row written."""
+    first: CTAs rank the sequences and take them sequence by sequence, each cut into the partitions by its own
+    length (paged_prefill.cu), their block ids then starting past the partition's first key. The reference's answer
+    with every partial and row written (workspace and out poisoned), in either order; a batch already in order
+    reads the first block ids that travelled while ranking only where its partition starts where they do."""
     rows = _compile.decode_rows(heads[0] // heads[1])
     resident = _compile.decode_ctas_per_sm(head_size, rows)
     ctas = num_seqs * heads[1] * -(-(heads[0] // heads[1]) // rows)
@@ -225,7 +248,7 @@ def test_longest_first_tail_split(rng, monkeypatch, num_seqs, bias, heads, head_
     def check_launch(launch, order):
         assert launch.tensor_cores and launch.num_parts in (2, 3) and launch.longest_first == order
 
-    assert_order_changes_nothing(monkeypatch, ranked_problem(rng, num_seqs, 700, heads, head_size, bias),
+    assert_order_changes_nothing(monkeypatch, ranked_problem(rng, num_seqs, 700, heads, head_size, bias, in_order),
                                  check_launch)
 
 
