@@ -20,8 +20,9 @@ graphs over ``--sets`` input sets, median of ``--reps``), each printing a table:
     partitions (``decode._CTAS_PER_SM_TARGET``) and split grids capped at 3 or 4 CTAs per SM.
 ``gqa-split``
     The grouped-query cases of the tensor-core kernel (B32 H32/8 d128 L8192, B16 H32/8 d128 L16384 fp16, B1 H32/8
-    d128 L65536 in 24 to 147 partitions, the two widely spread ones, two of equal lengths in more than one wave, and six of less than one wave that the one-wave
-    rule leaves unsplit) with their keys forced into a given number of partitions (``decode.split_keys`` replaced):
+    d128 L65536 in 24 to 147 partitions, the two widely spread ones, two of equal lengths in more than one wave, and
+    six of less than one wave that the one-wave rule leaves unsplit) with their keys forced into a given number of
+    partitions (``decode.split_keys`` replaced):
     B32's 256 CTAs run unsplit, two per SM on most SMs where three fit; B64 H32/8 d128 L4096's 512 CTAs make 1.3
     waves of the 396 that an H200 holds.
 ``read-floor``
