@@ -781,6 +781,28 @@ def test_hostile_block_ids_and_lengths_stay_in_bounds(rng, split, dtype, bias_dt
                  paged_attention_ref(*p.args(), **p.kwargs()), dtype)
 
 
+def test_hostile_lengths_in_a_ranked_split_grid(rng, monkeypatch):
+    """A tensor-core tail split taken longest first, with lengths negative and past the block table's capacity and a
+    block id outside the cache: the ranking and each sequence's cut into partitions see the clamped lengths, never
+    a fault; a negative length reads nothing and the sequences of valid data get the reference's answer."""
+    import cupy
+
+    monkeypatch.setattr(decode, "_num_sms", lambda device: 2)  # 8 CTAs where 2 SMs hold 6: a tail split
+    p = make_problem(rng, [400, 300, 200, 100], num_heads=8, num_kv_heads=2, head_size=128, bias="dense",
+                     dtype="bf16", bias_dtype="bf16")
+    args, kwargs = device_args(p, to_cupy)
+    launch = cpa.DecodePlan(*args, **kwargs).launch
+    assert launch.tensor_cores and launch.longest_first and launch.num_parts > 1
+    tables = p.block_tables.copy()
+    tables[2, 1] = -7
+    args[3], args[4] = cupy.asarray(tables), cupy.asarray(np.array([400, -5, 10**9, 100], np.int32))
+    out = cpa.paged_attention(*args, **kwargs)
+    cupy.cuda.get_current_stream().synchronize()  # an illegal access would raise here
+    out = to_numpy(out)
+    assert (out[1] == 0).all(), "a negative length reads nothing"
+    assert_close(out[[0, 3]], paged_attention_ref(*p.args(), **p.kwargs())[[0, 3]], "bf16")
+
+
 def test_validate_reads_t5_buckets(rng):
     """``RelativePositionBias.from_buckets`` takes any bucket array; ``validate=True`` copies it to the host and names
     the first distance whose bucket lies outside the buckets of one side. Valid buckets pass."""

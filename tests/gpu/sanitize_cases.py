@@ -22,7 +22,7 @@ import cupy_paged_attn as cpa
 from cupy_paged_attn import decode, prefill
 from cupy_paged_attn.reference import paged_attention_ref, paged_prefill_attention_ref, to_numpy
 
-CASES = [  # (name, make_problem keywords, force split-K)
+CASES = [  # (name, make_problem keywords, force split-K: or the SMs to plan for)
     ("mha-bf16-d64-nhd", dict(seq_lens=[1, 17, 40, 0], num_heads=4, num_kv_heads=4, head_size=64, dtype="bf16",
                               bias="dense", bias_dtype="bf16"), False),
     ("gqa4-f16-d128-vllm-split", dict(seq_lens=[300, 5], num_heads=8, num_kv_heads=2, head_size=128, dtype="f16",
@@ -45,11 +45,15 @@ CASES = [  # (name, make_problem keywords, force split-K)
                                             dtype="f16", bias="dense", bias_dtype="f16"), True),
     ("gqa4-bf16-d128-ragged-rows-split", dict(seq_lens=[301, 5, 77], num_heads=8, num_kv_heads=2, head_size=128,
                                               dtype="bf16", bias="ragged", bias_dtype="bf16"), True),
+    # 8 CTAs where 2 SMs hold 6: a tail split taken longest first, sequence by sequence (paged_prefill.cu).
+    ("gqa4-bf16-d128-dense-rows-ranked-split", dict(seq_lens=[77, 0, 301, 300], num_heads=8, num_kv_heads=2,
+                                                    head_size=128, dtype="bf16", bias="dense", bias_dtype="bf16"), 2),
 ]
 
 
-def run(name: str, kwargs: dict, split: bool, rng: np.random.Generator) -> None:
-    decode._num_sms = (lambda device: 10**6) if split else (lambda device: 1)
+def run(name: str, kwargs: dict, split: bool | int, rng: np.random.Generator) -> None:
+    sms = split if type(split) is int else 10**6 if split else 1
+    decode._num_sms = lambda device: sms
     p = make_problem(rng, **kwargs)
     args, kw = device_args(p, to_cupy)
     out = cupy.full(p.query.shape, np.nan, dtype=p.query.dtype)
@@ -89,7 +93,8 @@ def run_prefill(name: str, kwargs: dict, split: bool, rng: np.random.Generator) 
 
 def hostile(rng: np.random.Generator) -> None:
     """Hostile device data on every decode path (FP32 loop, tensor cores with biases staged or not; single pass and
-    split, long enough sequences that the split has partitions), prefill and the cache write."""
+    split, long enough sequences that the split has partitions; a split taken longest first), prefill and the cache
+    write."""
     # (split, dtype, bias dtype): the FP32 loop; the tensor cores, a 16-bit bias staged in shared memory or not
     for split, dtype, bias_dtype in ((False, "f32", "f32"), (True, "f32", "f32"), (False, "bf16", "f32"),
                                      (True, "bf16", "bf16"), (False, "f16", "f16"), (True, "f16", "f32")):
@@ -114,6 +119,18 @@ def hostile(rng: np.random.Generator) -> None:
             args, kw = device_args(t, to_cupy)
             kw["attn_bias"] = hostile_t5_bias(kw["attn_bias"], to_cupy)
             cpa.paged_attention(*args, **kw)
+    # A tail split taken longest first (8 CTAs, 6 slots): lengths clamped before the ranking and each sequence's cut.
+    decode._num_sms = lambda device: 2
+    p = make_problem(rng, [400, 300, 200, 100], num_heads=8, num_kv_heads=2, head_size=128, bias="dense",
+                     dtype="bf16", bias_dtype="bf16")
+    args, kw = device_args(p, to_cupy)
+    launch = cpa.DecodePlan(*args, **kw).launch
+    assert launch.longest_first and launch.num_parts > 1, launch
+    tables = p.block_tables.copy()
+    tables[0, 1], tables[1, 0], tables[2, 1] = -7, 2**31 - 1, p.key_cache.shape[0]
+    args[3] = cupy.asarray(tables)
+    args[4] = cupy.asarray(np.array([400, -5, 10**9, 2**31 - 1], np.int32))
+    cpa.paged_attention(*args, **kw)
     for split in (False, True):
         prefill._num_sms = (lambda device: 10**6) if split else (lambda device: 1)
         q = make_prefill_problem(rng, [(40, 10), (30, 30), (20, 5), (10, 10)], num_heads=4, num_kv_heads=2,
