@@ -232,3 +232,29 @@ def test_host_ab_loads_each_tree_apart(tmp_path):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "two trees" in result.stdout, result.stderr
+
+
+def test_wave_model_orders(bench):
+    """benchmarks/wave_model.py: each issue order covers every key once; equal lengths give both orders the same
+    pieces, in another order (within 1 %); on
+    the widely spread B64 case taking the work sequence by sequence ends the grid sooner (as measured, session 23);
+    the script prints a row per case, partition count and saturation."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        import wave_model
+    finally:
+        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+    lens = [700, 0, 65, 300]
+    for order in wave_model.ORDERS:
+        keys = wave_model.issue_order(lens, rows=2, parts=3, tile=64, order=order)
+        assert len(keys) == 2 * 3 * len(lens) and sum(keys) == 2 * sum(lens)
+    with pytest.raises(ValueError, match="order: expected one of"):
+        wave_model.issue_order(lens, 2, 3, 64, "bogus")
+    equal = wave_model.predict(bench.CASES[3], 3, 3, 132, 264, 2.0, 4.27e12)
+    assert equal["by-partition"] == pytest.approx(equal["by-sequence"], rel=0.01)
+    spread = wave_model.predict(bench.CASES[11], 11, 3, 132, 264, 2.0, 4.27e12)
+    assert 1.0 < spread["by-sequence"] < spread["by-partition"]
+    result = run_script("--cases", "11,12", "--parts", "2,3", "--saturate", "264",
+                        script=REPO_ROOT / "benchmarks" / "wave_model.py")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("B64 H32/8") == 2 and result.stdout.count("B128 H32/8") == 2
