@@ -223,7 +223,9 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int,
     ctas = p.num_seqs * p.num_kv_heads * chunks
     # Unsplit grids only: the hardware starts a split grid partition by partition (blockIdx.z last), so the order
     # within each cannot change which CTAs make the last wave; ordered, the long ragged case (B8 H16 d64, 5
-    # partitions, 1.6 waves) ran 0.1-0.9 % slower (benchmarks/NOTES.md, session 18).
+    # partitions, 1.6 waves) ran 0.1-0.9 % slower (benchmarks/NOTES.md, session 18). (The tensor-core kernel's ranked
+    # split grids go sequence by sequence instead; not tried here: for that case's few long sequences a fluid model,
+    # session 23, predicts it slower.)
     longest_first = parts == 1 and _longest_first(p.num_seqs, ctas, spec.max_ctas_per_sm * num_sms)
     return DecodeLaunch(spec, (ctas, 1, parts), tokens_per_part, parts, _THREADS, smem, (p.num_seqs, p.num_heads, 1),
                         _REDUCE_THREADS, longest_first)
