@@ -351,10 +351,16 @@ def reduce_groups(num_parts: int) -> int:
     return 8
 
 
+def reduce_vec(num_parts: int) -> int:
+    """Adjacent output elements of one paged_prefill_reduce thread (reduce_vec there): 4 with one group, else 1."""
+    return 4 if reduce_groups(num_parts) == 1 else 1
+
+
 def reduce_chunks(rows: int, head_size: int, num_parts: int) -> int:
-    """grid.z of paged_prefill_reduce: its CTAs each take ``PREFILL_REDUCE_THREADS / reduce_groups`` of the output
-    elements of an M tile of ``rows`` rows."""
-    return -(-rows * head_size // (PREFILL_REDUCE_THREADS // reduce_groups(num_parts)))
+    """grid.z of paged_prefill_reduce: its CTAs each take ``PREFILL_REDUCE_THREADS / reduce_groups · reduce_vec``
+    of the output elements of an M tile's ``rows`` rows."""
+    per_cta = PREFILL_REDUCE_THREADS // reduce_groups(num_parts) * reduce_vec(num_parts)
+    return -(-rows * head_size // per_cta)
 
 
 def prefill_smem_bytes(dtype: str, head_size: int, decode_rows: int = 0, wgmma: bool = False) -> int:

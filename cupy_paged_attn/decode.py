@@ -209,7 +209,10 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int,
                                             resident=resident)
         bias = tensor_core_bias_mode(p.bias, p.head_size, rows)
         spec = _compile.PrefillSpec(p.dtype, p.head_size, p.kv_layout, bias, rows)
-        reduce_grid = (ctas, 1, _compile.reduce_chunks(rows, p.head_size, parts))
+        # A reduction of one group of partitions covers the rows that hold heads (the group's, where it is smaller
+        # than a tile); of several, the whole tile (paged_prefill.cu, paged_prefill_reduce).
+        head_rows = min(rows, p.group_size) if _compile.reduce_vec(parts) == 4 else rows
+        reduce_grid = (ctas, 1, _compile.reduce_chunks(head_rows, p.head_size, parts))
         return DecodeLaunch(spec, (ctas, 1, parts), tokens_per_part, parts, spec.threads, spec.smem_bytes,
                             reduce_grid, _compile.PREFILL_REDUCE_THREADS,
                             _longest_first(p.num_seqs, ctas * parts, resident * num_sms))

@@ -1382,11 +1382,75 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_simt(
 // With few CTAs (a long sequence split into many partitions) this kernel is a chain of memory latencies, not
 // bandwidth: each thread loads kReduceBatch partitions' partials at once, and past kReduceBatch partitions the
 // partitions are spread over groups of threads (reduce_groups: the warps of a CTA in 1, 2, 4 or 8 groups), each an
-// online combine of its own, merged in shared memory. A CTA takes kPrefillReduceThreads / groups output elements
-// (the host's grid.z covers every element of the tile's rows x HEAD: reduce_chunks in _compile.py).
+// online combine of its own, merged in shared memory; a CTA takes kPrefillReduceThreads / groups output elements.
+// With one group (at most kReduceBatch partitions) a thread takes 4 adjacent elements of one row instead (one
+// (m, l) and one 16-byte acc load per partition), a CTA 4 · kPrefillReduceThreads, and a decode grid covers only
+// the rows that hold heads: a quarter of the CTAs or fewer, which a grid of many tiles and few partitions needs
+// (H200, B64 H32/8 d128 L∈[1024, 2048], 3 partitions: 112.8 -> 108.6 us; B64 L∈[128, 8192] 287.7 -> 283.9). A
+// first version that did the same with several groups made B1 H32/8 L65536 (49 partitions) and B4 L32768 (12)
+// 0.7-1.0 us slower, the cause not separated: that path and its grid are as they were (benchmarks/NOTES.md,
+// session 23). The host's grid.z covers every element: reduce_chunks in _compile.py.
 // ---------------------------------------------------------------------------------------------------------------
 __host__ __device__ constexpr int reduce_groups(int num_parts) {
   return num_parts <= kReduceBatch ? 1 : num_parts <= 2 * kReduceBatch ? 2 : num_parts <= 4 * kReduceBatch ? 4 : 8;
+}
+__host__ __device__ constexpr int reduce_vec(int num_parts) { return reduce_groups(num_parts) == 1 ? 4 : 1; }
+
+// (m, l, acc) of VEC adjacent elements: an online combine of partials.
+template <int VEC>
+struct ReducePartial {
+  float m, l, o[VEC];
+  __device__ __forceinline__ void add(float m_p, float l_p, const float (&acc)[VEC]) {
+    // A partial that saw no key of this row (m = −inf, l = 0, acc = 0) weighs nothing.
+    const float m_new = fmaxf(m, m_p);
+    const float alpha = m == -inf() ? 0.0f : fast_exp2(m - m_new);
+    const float w = m_p == -inf() ? 0.0f : fast_exp2(m_p - m_new);
+    l = l * alpha + w * l_p;
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) o[v] = o[v] * alpha + w * acc[v];
+    m = m_new;
+  }
+};
+
+// One group of threads (num_parts <= kReduceBatch), each thread VEC adjacent elements of one row.
+template <typename T, int HEAD, int ROWS, int VEC>
+__device__ __forceinline__ void reduce_tile(T* __restrict__ out, long long out_stride_t, long long out_stride_h,
+                                            const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+                                            const CtaRows& cta, int total_q, int num_kv_heads, int G, int num_parts) {
+  static_assert(HEAD % VEC == 0 && VEC == 4, "a thread's elements lie in one row, one 16-byte load");
+  const int m0 = cta.tile * ROWS;
+  const int rows = min(cta.q_len * G - m0, ROWS);
+  const int num_heads = num_kv_heads * G;
+  const long long part_stride = static_cast<long long>(total_q) * num_heads;
+  const float2* ml2 = reinterpret_cast<const float2*>(part_ml);
+  const int elems = rows * HEAD;
+  for (int base = blockIdx.z * kPrefillReduceThreads * VEC; base < elems;
+       base += gridDim.z * kPrefillReduceThreads * VEC) {  // (uniform over the CTA)
+    const int idx = min(base + threadIdx.x * VEC, elems - VEC);  // (past the end: the last elements again)
+    const int R = m0 + idx / HEAD;
+    const int d = idx % HEAD;
+    const long long q_row = cta.q0 + R / G;
+    const int h = cta.kvh * G + R % G;
+    const long long at = q_row * num_heads + h;
+    float2 ml[kReduceBatch];
+    float a[kReduceBatch][VEC];
+#pragma unroll
+    for (int i = 0; i < kReduceBatch; ++i) {  // unpredicated loads (past the last partition: the last again)
+      const long long slot = min(i, num_parts - 1) * part_stride + at;
+      ml[i] = ml2[slot];
+      const float4 v = *reinterpret_cast<const float4*>(part_acc + slot * HEAD + d);  // (16 bytes: d % 4 == 0)
+      a[i][0] = v.x, a[i][1] = v.y, a[i][2] = v.z, a[i][3] = v.w;
+    }
+    ReducePartial<VEC> r{-inf(), 0.0f, {}};
+#pragma unroll
+    for (int i = 0; i < kReduceBatch; ++i)  // one past the last partition counts as one that saw no key
+      r.add(i < num_parts ? ml[i].x : -inf(), ml[i].y, a[i]);
+    if (base + threadIdx.x * VEC < elems) {
+      T* dst = out + q_row * out_stride_t + h * out_stride_h + d;
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) dst[v] = from_float<T>(r.l > 0.0f ? r.o[v] / r.l : 0.0f);
+    }
+  }
 }
 
 template <typename T, int HEAD, int DECODE_ROWS>
@@ -1399,69 +1463,74 @@ __global__ void __launch_bounds__(kPrefillReduceThreads) paged_prefill_reduce(
   __shared__ float3 merge_s[kPrefillReduceThreads];  // (m, l, o) of each thread, when groups > 1
   const CtaRows cta = cta_rows(tile_info, query_start_loc, total_q, group_size, num_kv_heads, ROWS);
   if (cta.s < 0) return;
-  const int G = group_size;
-  const int m0 = cta.tile * ROWS;
-  const int rows = min(cta.q_len * G - m0, ROWS);
-  const int num_heads = num_kv_heads * G;
-  const int groups = reduce_groups(num_parts);
-  const int elems = kPrefillReduceThreads / groups;  // output elements per CTA
-  const int e = threadIdx.x % elems;
-  const int group = threadIdx.x / elems;  // this thread's partitions: group, group + groups, ...
   launch_dependents();  // the next decode call's attention kernel may start (it waits for this grid before reading)
   wait_for_primary();   // decode launches this reduction early: the attention kernel's partials are now complete
-  const long long part_stride = static_cast<long long>(total_q) * num_heads;
-  const float2* ml2 = reinterpret_cast<const float2*>(part_ml);
-  for (int base = blockIdx.z * elems; base < rows * HEAD; base += gridDim.z * elems) {  // (uniform over the CTA)
-    const int idx = min(base + e, rows * HEAD - 1);  // (a thread past the end computes the last element again)
-    const int R = m0 + idx / HEAD;
-    const int d = idx % HEAD;
-    const long long q_row = cta.q0 + R / G;
-    const int h = cta.kvh * G + R % G;
-    const long long at = q_row * num_heads + h;
-    // One online pass over this group's partitions, kReduceBatch at a time: their (m, l) and acc are loaded
-    // together, then combined (a pass for the max and a second for the sums, each waiting on a load per partition,
-    // took 10 us for 32 partitions at B1 H32/8 L65536: the long-context decode's tail).
-    float big_m = -inf(), big_l = 0.0f, o = 0.0f;
-    for (int p0 = group; p0 < num_parts; p0 += kReduceBatch * groups) {
-      float2 ml[kReduceBatch];
-      float a[kReduceBatch];
+  if (reduce_vec(num_parts) == 4) {  // (uniform over the grid)
+    reduce_tile<T, HEAD, ROWS, 4>(out, out_stride_t, out_stride_h, part_acc, part_ml, cta, total_q, num_kv_heads,
+                                  group_size, num_parts);
+  } else {  // several groups, one element a thread (the code as it was before session 23)
+    const int G = group_size;
+    const int m0 = cta.tile * ROWS;
+    const int rows = min(cta.q_len * G - m0, ROWS);
+    const int num_heads = num_kv_heads * G;
+    const int groups = reduce_groups(num_parts);
+    const int elems = kPrefillReduceThreads / groups;  // output elements per CTA
+    const int e = threadIdx.x % elems;
+    const int group = threadIdx.x / elems;  // this thread's partitions: group, group + groups, ...
+    const long long part_stride = static_cast<long long>(total_q) * num_heads;
+    const float2* ml2 = reinterpret_cast<const float2*>(part_ml);
+    for (int base = blockIdx.z * elems; base < rows * HEAD; base += gridDim.z * elems) {  // (uniform over the CTA)
+      const int idx = min(base + e, rows * HEAD - 1);  // (a thread past the end computes the last element again)
+      const int R = m0 + idx / HEAD;
+      const int d = idx % HEAD;
+      const long long q_row = cta.q0 + R / G;
+      const int h = cta.kvh * G + R % G;
+      const long long at = q_row * num_heads + h;
+      // One online pass over this group's partitions, kReduceBatch at a time: their (m, l) and acc are loaded
+      // together, then combined (a pass for the max and a second for the sums, each waiting on a load per partition,
+      // took 10 us for 32 partitions at B1 H32/8 L65536: the long-context decode's tail).
+      float big_m = -inf(), big_l = 0.0f, o = 0.0f;
+      for (int p0 = group; p0 < num_parts; p0 += kReduceBatch * groups) {
+        float2 ml[kReduceBatch];
+        float a[kReduceBatch];
 #pragma unroll
-      for (int i = 0; i < kReduceBatch; ++i) {  // unpredicated loads (past the last partition: the last again)
-        const long long slot = min(p0 + i * groups, num_parts - 1) * part_stride + at;
-        ml[i] = ml2[slot];
-        a[i] = part_acc[slot * HEAD + d];
-      }
+        for (int i = 0; i < kReduceBatch; ++i) {  // unpredicated loads (past the last partition: the last again)
+          const long long slot = min(p0 + i * groups, num_parts - 1) * part_stride + at;
+          ml[i] = ml2[slot];
+          a[i] = part_acc[slot * HEAD + d];
+        }
 #pragma unroll
-      for (int i = 0; i < kReduceBatch; ++i) {
-        // A partition that saw no key of this row (m = −inf, l = 0, acc = 0) weighs nothing; one past the last
-        // counts as such.
-        if (p0 + i * groups >= num_parts) ml[i].x = -inf();
-        const float m_new = fmaxf(big_m, ml[i].x);
-        const float alpha = big_m == -inf() ? 0.0f : fast_exp2(big_m - m_new);
-        const float w = ml[i].x == -inf() ? 0.0f : fast_exp2(ml[i].x - m_new);
-        big_l = big_l * alpha + w * ml[i].y;
-        o = o * alpha + w * a[i];
-        big_m = m_new;
-      }
-    }
-    if (groups > 1) {  // group 0 merges the groups' (m, l, o) of its element, as the partitions were merged
-      merge_s[threadIdx.x] = make_float3(big_m, big_l, o);
-      __syncthreads();  // every group's (m, l, o) of this element is in merge_s before group 0 reads them
-      if (group == 0) {
-        for (int g = 1; g < groups; ++g) {
-          const float3 v = merge_s[g * elems + e];
-          const float m_new = fmaxf(big_m, v.x);
+        for (int i = 0; i < kReduceBatch; ++i) {
+          // A partition that saw no key of this row (m = −inf, l = 0, acc = 0) weighs nothing; one past the last
+          // counts as such.
+          if (p0 + i * groups >= num_parts) ml[i].x = -inf();
+          const float m_new = fmaxf(big_m, ml[i].x);
           const float alpha = big_m == -inf() ? 0.0f : fast_exp2(big_m - m_new);
-          const float w = v.x == -inf() ? 0.0f : fast_exp2(v.x - m_new);
-          big_l = big_l * alpha + w * v.y;
-          o = o * alpha + w * v.z;
+          const float w = ml[i].x == -inf() ? 0.0f : fast_exp2(ml[i].x - m_new);
+          big_l = big_l * alpha + w * ml[i].y;
+          o = o * alpha + w * a[i];
           big_m = m_new;
         }
       }
-      __syncthreads();  // merge_s is free for the next element
+      if (groups > 1) {  // group 0 merges the groups' (m, l, o) of its element, as the partitions were merged
+        merge_s[threadIdx.x] = make_float3(big_m, big_l, o);
+        __syncthreads();  // every group's (m, l, o) of this element is in merge_s before group 0 reads them
+        if (group == 0) {
+          for (int g = 1; g < groups; ++g) {
+            const float3 v = merge_s[g * elems + e];
+            const float m_new = fmaxf(big_m, v.x);
+            const float alpha = big_m == -inf() ? 0.0f : fast_exp2(big_m - m_new);
+            const float w = v.x == -inf() ? 0.0f : fast_exp2(v.x - m_new);
+            big_l = big_l * alpha + w * v.y;
+            o = o * alpha + w * v.z;
+            big_m = m_new;
+          }
+        }
+        __syncthreads();  // merge_s is free for the next element
+      }
+      if (group == 0 && base + e < rows * HEAD)
+        out[q_row * out_stride_t + h * out_stride_h + d] = from_float<T>(big_l > 0.0f ? o / big_l : 0.0f);
     }
-    if (group == 0 && base + e < rows * HEAD)
-      out[q_row * out_stride_t + h * out_stride_h + d] = from_float<T>(big_l > 0.0f ? o / big_l : 0.0f);
   }
 }
 

@@ -226,11 +226,15 @@ def test_tensor_core_decode_planning(rng, dtype, head_size, heads, tensor_cores,
         assert plan.grid == (2 * tiles * heads[1], 1, plan.num_parts)
         assert plan.spec.decode_rows == rows and plan.tokens_per_part % 64 == 0
         assert plan.threads == _compile.PREFILL_THREADS
-        # One reduction thread per output element and group of partitions (8 partitions a group, up to 8 groups).
+        # One reduction thread per output element of the rows that hold heads (4 with one group of partitions) and
+        # group of partitions (8 partitions a group, up to 8 groups).
         groups = min(8, 1 << (-(-plan.num_parts // 8) - 1).bit_length())
         assert groups == _compile.reduce_groups(plan.num_parts)
-        assert (plan.reduce_grid, plan.reduce_threads) == ((2 * tiles * heads[1], 1, rows * head_size * groups // 128),
-                                                           _compile.PREFILL_REDUCE_THREADS)
+        vec = 4 if groups == 1 else 1
+        head_rows = min(rows, heads[0] // heads[1]) if groups == 1 else rows
+        assert (plan.reduce_grid, plan.reduce_threads) == (
+            (2 * tiles * heads[1], 1, -(-head_rows * head_size * groups // (vec * 128))),
+            _compile.PREFILL_REDUCE_THREADS)
     assert plan.num_parts * plan.tokens_per_part >= problem.max_len
 
 
@@ -289,7 +293,7 @@ def test_prefill_planning(rng, dtype, head_size, rows, tile):
         assert launch.tokens_per_part % tile == 0 and launch.num_parts * launch.tokens_per_part >= 1000
         assert (launch.num_parts > 1) == (sms > 1)
     for parts in (1, 2, 9, 33, 200):
-        elems = _compile.PREFILL_REDUCE_THREADS // _compile.reduce_groups(parts)
+        elems = _compile.PREFILL_REDUCE_THREADS // _compile.reduce_groups(parts) * _compile.reduce_vec(parts)
         assert _compile.reduce_chunks(rows, head_size, parts) * elems >= rows * head_size
 
 
@@ -402,6 +406,7 @@ def test_host_mirrors_of_kernel_constants():
     checks.append(f"static_assert(cpa::kReduceBatch == {_compile.PREFILL_REDUCE_BATCH}, \"reduce batch\");")
     checks += [f"static_assert(cpa::reduce_groups({n}) == {_compile.reduce_groups(n)}, \"groups {n}\");"
                for n in range(1, 80)]
+    checks += [f"static_assert(cpa::reduce_vec({n}) == {_compile.reduce_vec(n)}, \"vec {n}\");" for n in range(1, 80)]
     _compile.compile_offline("paged_prefill.cu", [], "sm_90", "\n" + "\n".join(checks) + "\n")
 
     decode_checks = [f"static_assert(cpa::kDecodeThreads == {decode._THREADS}, \"threads\");",
