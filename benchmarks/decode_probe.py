@@ -31,6 +31,10 @@ graphs over ``--sets`` input sets, median of ``--reps``), each printing a table:
     K and V rows through the block table, with the dense bias the group's bias rows, q and out aside) and nothing
     else, with 1 to 64 partitions per (sequence, KV head) of 256 threads, 8 loads of 16 bytes in flight per thread.
     Its fastest partitioning is what a kernel doing no arithmetic achieves; beside it, ours, and ours over it.
+``cluster``
+    Split grids of the FP32 kernel in at most 8 partitions (the latency case and others of 64 to 512 CTAs), their
+    partitions combined by the reduction kernel or in thread block clusters, a grid of clusters allowed at most 1
+    or 2 CTAs per SM.
 ``cp-async``
     The same reads without a bias (head size 128, ``--floor-cases``, 1 and 2 partitions) by cp.async into shared
     memory in five forms (``probe_async16_*``: with and without the src-size operand, ``.ca``, and into rows padded to
@@ -38,7 +42,7 @@ graphs over ``--sets`` input sets, median of ``--reps``), each printing a table:
     rows request 1.5x the L2 sectors of the bytes copied.
 
 Run on a GPU machine: ``PYTHONPATH=. python3 benchmarks/decode_probe.py [floor] [bias-layout] [split] [gqa-split]
-[read-floor] [cp-async]``.
+[read-floor] [cp-async] [cluster]``.
 """
 
 from __future__ import annotations
@@ -516,19 +520,25 @@ def build(index: int, args: argparse.Namespace, case: bd.Case | None = None) -> 
 
 def attention_only_rows(timer: bd.Timer, sets: list[bd.InputSet]) -> list[tuple[str, float]]:
     """``DecodePlan.run`` without a bias, with and without its split-K reduction (the partials are then never
-    combined: timing only, the output is the workspace)."""
+    combined: timing only, the output is the workspace); the plans combine through the reduction kernel, not in
+    clusters."""
     import cupy_paged_attn as cpa
+    from cupy_paged_attn import decode
 
     def operands(s: bd.InputSet) -> tuple[Any, ...]:
         return s.query, s.key_cache, s.value_cache, s.block_tables, s.seq_lens
 
     rows = []
     for name, reduce in (("plan.run", True), ("plan.run, attention kernel only", False)):
-        plan = cpa.DecodePlan(*operands(sets[0]))
-        if plan.launch.num_parts < 2:
+        saved, decode.CLUSTER_COMBINE = decode.CLUSTER_COMBINE, False
+        try:
+            plan = cpa.DecodePlan(*operands(sets[0]))
+        finally:
+            decode.CLUSTER_COMBINE = saved
+        if not plan.launch.reduces:
             raise RuntimeError("the latency case is expected to split its keys")
         if not reduce:
-            plan._dependent_reduce = NoLaunch()
+            plan._reduce_launch = NoLaunch()
             plan._reduce_args = NoLaunch()
         outputs = [plan._workspace] if not reduce else [s.out for s in sets]
         calls = [functools.partial(plan.run, *operands(s), out=s.out) for s in sets]
@@ -764,8 +774,56 @@ def cp_async(args: argparse.Namespace, timer: bd.Timer) -> list[tuple[str, str, 
     return table
 
 
+#: cluster's cases: split grids of the FP32 kernel in at most 8 partitions, 64 to 512 CTAs (probe-only, their seeds
+#: past bench_decode's).
+CLUSTER_CASES = (bd.Case(1, 16, 16, 64, 1024), bd.Case(1, 16, 16, 64, 512), bd.Case(1, 16, 16, 128, 1024),
+                 bd.Case(1, 32, 32, 64, 1024), bd.Case(2, 16, 16, 64, 1024), bd.Case(3, 16, 16, 64, 1024),
+                 bd.Case(4, 16, 16, 64, 1024))
+
+
+def max_active_clusters(plan: Any) -> int:
+    """``cuOccupancyMaxActiveClusters`` of a cluster-combined plan's attention launch (a negative driver status on
+    failure)."""
+    import ctypes
+
+    count = ctypes.c_int()
+    status = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters(
+        ctypes.byref(count), ctypes.c_void_p(plan._function), ctypes.byref(plan._attention_launch._config))
+    return count.value if status == 0 else -status
+
+
+def cluster(args: argparse.Namespace, timer: bd.Timer) -> list[tuple[str, str, float]]:
+    """CLUSTER_CASES with their partitions combined by the reduction kernel and in clusters, the cluster rule's
+    CTAs per SM (``decode._CLUSTER_CTAS_PER_SM``) at 1 and 2."""
+    from cupy_paged_attn import decode
+
+    saved = decode.CLUSTER_COMBINE, decode._CLUSTER_CTAS_PER_SM
+    table = []
+    try:
+        for i, extra_case in enumerate(CLUSTER_CASES):
+            case, sets = build(100 + i, args, extra_case)
+            for combine, per_sm in ((False, 1), (True, 1), (True, 2)):
+                decode.CLUSTER_COMBINE, decode._CLUSTER_CTAS_PER_SM = combine, per_sm
+                decode._PLANS.__dict__.pop("plans", None)  # plans are keyed by shapes, not by these knobs
+                rows = ours_rows(timer, case, sets, {"none": lambda s: None, "dense": lambda s: s.bias,
+                                                     "t5": lambda s: s.t5_bias})
+                plan = next(iter(decode._PLANS.plans.values()))
+                launch = plan.launch
+                if launch.cluster and per_sm == 1:
+                    print(f"cluster      {case.name}: {max_active_clusters(plan)} clusters of {launch.num_parts} CTAs "
+                          f"fit the GPU at once ({launch.grid[0]} in the grid)", flush=True)
+                label = (f"{launch.num_parts} parts, {launch.grid[0] * launch.num_parts} CTAs, "
+                         + (f"clusters (rule: {per_sm}/SM)" if launch.cluster else f"reduction (rule: {per_sm}/SM)"))
+                table += [(case.name, f"{name:5s} {label}", us) for name, us in rows]
+            del sets
+    finally:
+        decode.CLUSTER_COMBINE, decode._CLUSTER_CTAS_PER_SM = saved
+        decode._PLANS.__dict__.pop("plans", None)
+    return table
+
+
 PROBES = {"floor": floor, "bias-layout": bias_layout, "split": split, "gqa-split": gqa_split, "read-floor": read_floor,
-          "cp-async": cp_async}
+          "cp-async": cp_async, "cluster": cluster}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -88,10 +88,13 @@ def stages(case: dict[str, Any], plan: Any) -> None:
     row("plan._launch_into(out)", lambda: plan._launch_into(out, q, stream))
     row("plan._launch_into(None)", lambda: plan._launch_into(None, q, stream))
     launch = plan.launch
-    row("one cuLaunchKernel (attention, via cupy driver)",
-        lambda: plan._args.launch(plan._function, launch.grid, launch.threads, launch.shared_mem, 0))
-    if plan._dependent_reduce is not None:
-        row("one cuLaunchKernelEx (reduce, ctypes)", lambda: plan._dependent_reduce.launch(0))
+    if not launch.cluster:  # a kernel that combines its partitions in clusters runs only in them
+        row("one cuLaunchKernel (attention, via cupy driver)",
+            lambda: plan._args.launch(plan._function, launch.grid, launch.threads, launch.shared_mem, 0))
+    if plan._attention_launch is not None:
+        row("one cuLaunchKernelEx (attention, ctypes)", lambda: plan._attention_launch.launch(0))
+    if plan._reduce_launch is not None:
+        row("one cuLaunchKernelEx (reduce, ctypes)", lambda: plan._reduce_launch.launch(0))
 
 
 def calls(case: dict[str, Any], plan_none: Any, plan_dense: Any) -> None:
@@ -120,7 +123,7 @@ def main() -> None:
         plan_dense = cpa.DecodePlan(*operands, attn_bias=case["bias"])
         launch = plan_none.launch
         print(f"== H{heads}/{kv_heads}: {launch.num_parts} parts, tensor cores {launch.tensor_cores}, "
-              f"dependent attention launch {plan_none._dependent_attention is not None}")
+              f"clusters {launch.cluster}, attention by cuLaunchKernelEx {plan_none._attention_launch is not None}")
         if heads == 16:
             primitives(case, plan_none)
             stages(case, plan_dense)

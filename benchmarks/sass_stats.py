@@ -53,7 +53,7 @@ def compile_spec(args: argparse.Namespace) -> tuple[str, str, bytes]:
     if args.kernel == "fp32":
         dtype, head_size, layout, heads, bias = args.spec
         spec: _compile.DecodeSpec | _compile.PrefillSpec = _compile.DecodeSpec(
-            dtype, int(head_size), layout, int(heads), bias)
+            dtype, int(head_size), layout, int(heads), bias, args.cluster)
         filename = "paged_decode.cu"
     else:
         dtype, head_size, layout, bias, rows = args.spec
@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("spec", nargs=5, help="fp32: DTYPE HEAD LAYOUT HEADS_PER_CTA BIAS; tc: DTYPE HEAD LAYOUT "
                                               "BIAS ROWS (8 or 16)")
     parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--cluster", action="store_true", help="fp32: the kernel that combines partitions in clusters")
     parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--loop-min", type=int, default=150, help="smallest loop body reported (instructions)")
     args = parser.parse_args(argv)

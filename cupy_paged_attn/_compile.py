@@ -64,23 +64,29 @@ DECODE_THREADS = 256  # kDecodeThreads in paged_decode.cu
 #: flags.
 DECODE_SMEM_BYTES = 3 * 2 * 2 * DECODE_THREADS * 16 + 3 * 128
 DECODE_T5_NEAR_DISTANCES = 128  # kT5NearDistances in common.cuh
+#: Partitions of a split grid that combines them in a thread block cluster (kMaxClusterParts: 8 is the portable
+#: cluster size), and CTAs per SM the register budget of such a kernel allows (kClusterMinCtas).
+DECODE_CLUSTER_MAX_PARTS = 8
+DECODE_CLUSTER_MIN_CTAS = 2
 
 
 @dataclass(frozen=True)
 class DecodeSpec:
-    """Compile-time choices of one decode kernel."""
+    """Compile-time choices of one decode kernel. ``cluster``: a split grid whose partitions are combined in a
+    thread block cluster (sm_90 and later) instead of by the reduction kernel."""
 
     dtype: str  # "f32" | "f16" | "bf16"
     head_size: int
     layout: str  # "nhd" | "vllm"
     heads_per_cta: int
     bias: str  # one of BIAS_MODES
+    cluster: bool = False
 
     @property
     def key(self) -> str:
         return (
             f"paged_decode_{self.dtype}_d{self.head_size}_{self.layout}"
-            f"_g{self.heads_per_cta}_bias-{self.bias}"
+            f"_g{self.heads_per_cta}_bias-{self.bias}{'_cluster' if self.cluster else ''}"
         )
 
     @property
@@ -93,8 +99,15 @@ class DecodeSpec:
     @property
     def max_ctas_per_sm(self) -> int:
         """CTAs per SM the kernel's register budget allows (DecodeLayout::kMinCtas): four with one query head per
-        CTA, three with more. Shared memory may allow fewer."""
+        CTA, three with more; a cluster-combined kernel's, DECODE_CLUSTER_MIN_CTAS. Shared memory may allow fewer."""
+        if self.cluster:
+            return DECODE_CLUSTER_MIN_CTAS
         return 4 if self.heads_per_cta == 1 else 3
+
+    def offline_arch(self, arch: str) -> str | None:
+        """The architecture to compile this spec for when checking ``arch`` without a GPU; None: not built there
+        (clusters need sm_90)."""
+        return None if self.cluster and arch == "sm_80" else arch
 
     def name_expressions(self) -> tuple[str, str]:
         """The kernel and its split-K reduction, as NVRTC name expressions."""
@@ -102,7 +115,7 @@ class DecodeSpec:
         bias = _CUDA_BIAS[self.bias]
         main = (
             f"cpa::paged_decode<{t}, {self.head_size}, {_CUDA_LAYOUT[self.layout]}, "
-            f"{self.heads_per_cta}, {bias}>"
+            f"{self.heads_per_cta}, {bias}, {'true' if self.cluster else 'false'}>"
         )
         return main, f"cpa::paged_decode_reduce<{t}, {self.head_size}>"
 
@@ -125,9 +138,11 @@ class CacheWriteSpec:
 
 
 def all_decode_specs() -> list[DecodeSpec]:
-    """Every decode specialisation the library can launch."""
+    """Every decode specialisation the library can launch: the kernels that write their result (or partials for
+    the reduction), then those that combine their partitions in a cluster."""
     return [
-        DecodeSpec(dt, d, lay, g, bias)
+        DecodeSpec(dt, d, lay, g, bias, cluster)
+        for cluster in (False, True)
         for dt in CUDA_TYPES
         for d in HEAD_SIZES
         for lay in KV_LAYOUTS

@@ -42,6 +42,17 @@ DEPENDENT_REDUCE = True
 #: 7.7 us without a bias, 8.6 -> 7.9-8.0 dense. Split grids only: unsplit ones of several waves ran 0.6-1 % slower
 #: launched so (B64 H16 d64 L2048, ragged lengths, B8 long ragged). False: plain launches (A/B runs).
 DEPENDENT_ATTENTION = True
+#: A split grid of the FP32 kernel of at most 8 partitions (DECODE_CLUSTER_MAX_PARTS: clusters of 8 are portable) and
+#: at most one CTA per SM combines its partitions in a thread block cluster (sm_90 and later; the partitions of one
+#: (sequence, KV head, chunk) are the CTAs of a cluster, which combine their (acc, m, l) through each other's shared
+#: memory): a run is one launch, with no split-K workspace. H200, latency case (B1 H16 d64 L1024, 8 partitions):
+#: 7.7 / 8.0 / 8.6 -> 7.7 / 7.9 / 7.6 us GPU (none / dense / T5), `paged_attention` with a dense bias 23-24 -> 16-17
+#: us of host time; B1 L512 (4 partitions) 7.2 / 7.4 / 7.8 -> 6.6 / 6.6 / 6.5 us (benchmarks/NOTES.md, session 24).
+#: One CTA per SM keeps the grid in one wave whatever the GPCs' sizes (a cluster's CTAs share a GPC): at two per
+#: SM (B1 H32 d64 L1024, 256 CTAs) a dense bias ran 10.7 -> 13.8 us, and a grid of several waves of clusters far
+#: slower (B8 H16 L[4096, 131072]: 546 -> 780 us, session 11). False: the reduction kernel (A/B runs).
+CLUSTER_COMBINE = True
+_CLUSTER_CTAS_PER_SM = 1  # a cluster-combined grid holds at most this many CTAs per SM (on average)
 #: A decode grid of more than one wave over 2 to 256 sequences takes them longest first (``seq_of_rank`` in
 #: common.cuh): the hardware starts CTAs in index order, so the last wave then holds the shortest sequences and the
 #: grid ends evenly. The FP32 kernel orders unsplit grids only; the tensor-core kernel split ones too, sequence by
@@ -102,7 +113,8 @@ class DecodeLaunch:
     specialisation (the FP32 kernel of paged_decode.cu, or the tensor-core kernel of paged_prefill.cu in its decode
     tiling), grid, threads and dynamic shared memory, key partitioning, and the split-K reduction's grid and threads
     (per (M tile, KV head) like the tensor-core CTAs and per chunk of their output elements; else per (sequence,
-    query head)). Partition p holds keys ``[p·tokens_per_part, (p + 1)·tokens_per_part)``, except in a split
+    query head)), which a grid that combines its partitions in clusters (``spec.cluster``) does not launch.
+    Partition p holds keys ``[p·tokens_per_part, (p + 1)·tokens_per_part)``, except in a split
     tensor-core grid taken ``longest_first``, which cuts each sequence's own length into ``num_parts`` runs of
     whole tiles (at most ``tokens_per_part`` keys each)."""
 
@@ -119,6 +131,16 @@ class DecodeLaunch:
     @property
     def tensor_cores(self) -> bool:
         return isinstance(self.spec, _compile.PrefillSpec)
+
+    @property
+    def cluster(self) -> bool:
+        """Whether the partitions are combined in thread block clusters of ``(1, 1, num_parts)``."""
+        return isinstance(self.spec, _compile.DecodeSpec) and self.spec.cluster
+
+    @property
+    def reduces(self) -> bool:
+        """Whether a run launches the split-K reduction after the attention kernel (and needs its workspace)."""
+        return self.num_parts > 1 and not self.cluster
 
 
 def uses_tensor_cores(problem: _checks.DecodeProblem) -> bool:
@@ -191,12 +213,14 @@ def partitions(max_len: int, parts: int, tile: int) -> tuple[int, int]:
 
 
 def plan_decode(problem: _checks.DecodeProblem, num_sms: int,
-                smem_per_sm: tuple[int, int] | None = None) -> DecodeLaunch:
+                smem_per_sm: tuple[int, int] | None = None, clusters: bool = False) -> DecodeLaunch:
     """Choose the kernel and the split: one partition when the grid already fills the GPU, else split the keys.
 
     The split is chosen from shapes only (``max_len``, the block table's capacity), never from ``seq_lens``, so
     planning reads no device data. ``smem_per_sm`` (:func:`_smem_per_sm`) lets a split grid of the FP32 kernel cap
-    its CTAs per SM (``_SPLIT_CTAS_PER_SM``); without it the kernel's shared memory alone decides.
+    its CTAs per SM (``_SPLIT_CTAS_PER_SM``); without it the kernel's shared memory alone decides. ``clusters``:
+    the device launches thread block clusters, and a split grid of the FP32 kernel small enough combines its
+    partitions in them (:data:`CLUSTER_COMBINE`).
     """
     p = problem
     if uses_tensor_cores(p):
@@ -219,11 +243,13 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int,
     hg = heads_per_cta(p.group_size)
     chunks = -(-p.group_size // hg)
     tokens_per_part, parts = split_keys(p.num_seqs * p.num_kv_heads * chunks, p.max_len, num_sms, _TILE_MULTIPLE)
-    spec = _compile.DecodeSpec(p.dtype, p.head_size, p.kv_layout, hg, p.bias.mode)
-    smem = spec.smem_bytes
-    if parts > 1 and smem_per_sm is not None:
-        smem = occupancy_smem(smem, _SPLIT_CTAS_PER_SM, smem_per_sm)
     ctas = p.num_seqs * p.num_kv_heads * chunks
+    cluster = (clusters and 1 < parts <= _compile.DECODE_CLUSTER_MAX_PARTS
+               and ctas * parts <= _CLUSTER_CTAS_PER_SM * num_sms)
+    spec = _compile.DecodeSpec(p.dtype, p.head_size, p.kv_layout, hg, p.bias.mode, cluster)
+    smem = spec.smem_bytes
+    if parts > 1 and not cluster and smem_per_sm is not None:
+        smem = occupancy_smem(smem, _SPLIT_CTAS_PER_SM, smem_per_sm)
     # Unsplit grids only: the hardware starts a split grid partition by partition (blockIdx.z last), so the order
     # within each cannot change which CTAs make the last wave; ordered, the long ragged case (B8 H16 d64, 5
     # partitions, 1.6 waves) ran 0.1-0.9 % slower (benchmarks/NOTES.md, session 18). (The tensor-core kernel's ranked
@@ -279,10 +305,11 @@ def _launch_kernel() -> Any:
 
 
 class _LaunchAttribute(ctypes.Structure):
-    """``CUlaunchAttribute`` holding an ``int`` value (the value union is 64 bytes, 8-byte aligned)."""
+    """``CUlaunchAttribute`` whose value is an ``int`` (``value[0]``) or a cluster's dimensions (the value union is
+    64 bytes, 8-byte aligned)."""
 
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
-                ("value_pad", ctypes.c_char * 60)]
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 3),
+                ("value_pad", ctypes.c_char * 52)]
 
 
 class _LaunchConfig(ctypes.Structure):
@@ -292,8 +319,8 @@ class _LaunchConfig(ctypes.Structure):
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
+_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-_DEPENDENT = _LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
 
 
 @functools.cache
@@ -309,20 +336,27 @@ def _launch_kernel_ex() -> Any:
 
 
 @functools.cache
-def _has_dependent_launch(device: int) -> bool:
+def _has_launch_ex(device: int) -> bool:
+    """Whether ``device`` takes launches with programmatic dependent launch and thread block clusters (compute
+    capability 9.0 and later, through ``cuLaunchKernelEx``)."""
     import cupy
 
     return int(cupy.cuda.Device(device).compute_capability) >= 90 and _launch_kernel_ex() is not None
 
 
-class _DependentLaunch:
-    """A kernel launched with programmatic dependent launch after the kernel before it in the stream: function,
-    grid, block, dynamic shared memory, arguments and attribute fixed, one ``cuLaunchKernelEx`` per launch."""
+class _LaunchEx:
+    """A kernel launched by ``cuLaunchKernelEx`` with programmatic dependent launch after the kernel before it in
+    the stream (``dependent``), in thread block clusters of ``cluster`` CTAs, or both: function, grid, block,
+    dynamic shared memory, arguments and attributes fixed, one call per launch."""
 
     def __init__(self, function: int, grid: tuple[int, int, int], threads: int, args: _PackedArgs,
-                 shared_mem: int = 0) -> None:
+                 shared_mem: int = 0, dependent: bool = True, cluster: tuple[int, int, int] | None = None) -> None:
+        values = ([(_PROGRAMMATIC_STREAM_SERIALIZATION, (1, 0, 0))] if dependent else []) + \
+                 ([(_CLUSTER_DIMENSION, cluster)] if cluster is not None else [])
+        self._attrs = (_LaunchAttribute * max(len(values), 1))(
+            *(_LaunchAttribute(kind, b"", (ctypes.c_uint * 3)(*value)) for kind, value in values))
         self._config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(threads, 1, 1), shared_mem, None,
-                                     ctypes.pointer(_DEPENDENT), 1)
+                                     ctypes.cast(self._attrs, ctypes.POINTER(_LaunchAttribute)), len(values))
         self._call = (ctypes.byref(self._config), ctypes.c_void_p(function), ctypes.c_void_p(args.address), None)
         self._args = args  # keeps the argument slots that the call points at
 
@@ -408,9 +442,10 @@ class DecodePlan:
 
     The constructor takes example arrays (the arguments of :func:`paged_attention`), checks them as
     :func:`paged_attention` does, compiles or fetches the kernel, chooses the split and allocates the split-K
-    workspace. :meth:`run` then takes arrays of the same dtypes, shapes, strides and device (any data, any
-    addresses, the caches' 16-byte aligned), compares those cheaply and launches: no allocation (with ``out=``), no
-    host synchronisation, no read of device data. :func:`paged_attention` is this class used once.
+    workspace (a split combined by the reduction kernel needs one; one combined in thread block clusters, see
+    :data:`CLUSTER_COMBINE`, does not). :meth:`run` then takes arrays of the same dtypes, shapes, strides and device
+    (any data, any addresses, the caches' 16-byte aligned), compares those cheaply and launches: no allocation (with
+    ``out=``), no host synchronisation, no read of device data. :func:`paged_attention` is this class used once.
 
     A plan owns one workspace: run it on one stream at a time (one plan per stream or thread). CUDA-graph capture
     of :meth:`run` works (build the plan before the capture). PyTorch and CuPy arrays take the fast path; JAX arrays
@@ -478,7 +513,8 @@ class DecodePlan:
         self._framework = framework
         self._out_dtype = _interop.signature(like, framework)[0] if framework in ("torch", "cupy") else None
         self._device = device
-        self._launch = launch = plan_decode(problem, _num_sms(device), _smem_per_sm(device))
+        self._launch = launch = plan_decode(problem, _num_sms(device), _smem_per_sm(device),
+                                            clusters=CLUSTER_COMBINE and _has_launch_ex(device))
         if isinstance(launch.spec, _compile.PrefillSpec):
             kernel, reduce_kernel, _ = _compile.get_prefill_kernels(launch.spec, device)
         else:
@@ -495,15 +531,23 @@ class DecodePlan:
         self._workspace_slots = [(a.slots, a.index["part_acc"], a.index["part_ml"]) for a in both]
         _, num_heads, head_size = self._query.shape
         self._result_strides = (num_heads * head_size, head_size)  # a result of _new_out, contiguous
-        dependent = launch.num_parts > 1 and _has_dependent_launch(device)  # only a split launch has a reduction
-        self._dependent_reduce = (_DependentLaunch(self._reduce_function, launch.reduce_grid, launch.reduce_threads,
-                                                   self._reduce_args) if dependent and DEPENDENT_REDUCE else None)
-        self._dependent_attention = (_DependentLaunch(self._function, launch.grid, launch.threads, self._args,
-                                                      launch.shared_mem) if dependent and DEPENDENT_ATTENTION else None)
+        # The launches that go through cuLaunchKernelEx (None: a plain cuLaunchKernel): a split grid's, as a
+        # programmatic dependent of the kernel before it; the reduction, as one of the attention kernel; a grid
+        # that combines its partitions in clusters, always (its clusters are a launch attribute).
+        dependent = launch.num_parts > 1 and _has_launch_ex(device)
+        self._reduce_launch = None
+        if launch.reduces and dependent and DEPENDENT_REDUCE:
+            self._reduce_launch = _LaunchEx(self._reduce_function, launch.reduce_grid, launch.reduce_threads,
+                                            self._reduce_args)
+        self._attention_launch = None
+        if launch.cluster or (dependent and DEPENDENT_ATTENTION):
+            self._attention_launch = _LaunchEx(self._function, launch.grid, launch.threads, self._args,
+                                               launch.shared_mem, dependent=dependent and DEPENDENT_ATTENTION,
+                                               cluster=(1, 1, launch.num_parts) if launch.cluster else None)
         self._workspace = None
         self._owns_workspace = own_workspace
         self._out_strides: tuple[int, ...] = ()  # the out strides the packed arguments hold
-        if self._launch.num_parts > 1 and own_workspace:
+        if launch.reduces and own_workspace:
             self._workspace = self._new_workspace(like, stream)
 
     def _new_workspace(self, like: Any, stream: Any) -> Any:
@@ -666,7 +710,7 @@ class DecodePlan:
         if q.shape[0] == 0:
             return _interop.finish(self._framework, result)
         workspace = None  # a call's own split-K workspace, alive until the launch is queued
-        if self._launch.num_parts > 1 and not self._owns_workspace:
+        if self._launch.reduces and not self._owns_workspace:
             workspace = self._new_workspace(like, launch_stream)
         for slots, slot in self._out_slots:
             slots[slot] = out_ptr
@@ -676,13 +720,13 @@ class DecodePlan:
                 args.set("out.stride_s", np.int64(out_strides[0]))
                 args.set("out.stride_h", np.int64(out_strides[1]))
         launch = self._launch
-        if self._dependent_attention is not None:
-            self._dependent_attention.launch(launch_stream.ptr)
+        if self._attention_launch is not None:
+            self._attention_launch.launch(launch_stream.ptr)
         else:
             self._args.launch(self._function, launch.grid, launch.threads, launch.shared_mem, launch_stream.ptr)
-        if launch.num_parts > 1:
-            if self._dependent_reduce is not None:
-                self._dependent_reduce.launch(launch_stream.ptr)
+        if launch.reduces:
+            if self._reduce_launch is not None:
+                self._reduce_launch.launch(launch_stream.ptr)
             else:
                 self._reduce_args.launch(self._reduce_function, launch.reduce_grid, launch.reduce_threads, 0,
                                          launch_stream.ptr)
@@ -717,7 +761,7 @@ def _plan_key(named: dict[str, Any], scale: Any, kv_layout: Any,
             return None
         key = (kind, tuple(map(type, named.values())), tuple(signatures.values()), type(scale), scale, kv_layout,
                _checks.bias_geometry(attn_bias), _num_sms(device), TENSOR_CORE_MIN_GROUP, DEPENDENT_REDUCE,
-               DEPENDENT_ATTENTION, LONGEST_FIRST)
+               DEPENDENT_ATTENTION, LONGEST_FIRST, CLUSTER_COMBINE)
         plan = _PLANS.__dict__.get("plans", {}).get(key)  # hashes the key: an unhashable scale or layout raises
     except (AttributeError, TypeError):  # not an array of the query's framework; an unhashable scale or layout
         return None
@@ -729,7 +773,7 @@ def _problem_key(problem: _checks.DecodeProblem, framework: str, device: int) ->
     p, b = problem, problem.bias
     return (
         framework, device, _num_sms(device), TENSOR_CORE_MIN_GROUP, DEPENDENT_REDUCE, DEPENDENT_ATTENTION,
-        LONGEST_FIRST, p.dtype, p.head_size, p.kv_layout, p.num_seqs, p.num_heads, p.num_kv_heads,
+        LONGEST_FIRST, CLUSTER_COMBINE, p.dtype, p.head_size, p.kv_layout, p.num_seqs, p.num_heads, p.num_kv_heads,
         p.max_len, p.scale, _kernel_strides(p.query), _kernel_strides(p.block_tables), dataclasses.astuple(p.cache),
         b.mode, b.strides, b.dtype, b.n, b.m, p.alibi_slopes is None,
     )

@@ -64,6 +64,28 @@ __device__ __forceinline__ void wait_for_primary() {
 #endif
 }
 
+// Thread block clusters (sm_90 and later; the host launches a kernel that uses them only there, in clusters).
+// cluster_sync: every thread of every CTA of the cluster arrives, its shared-memory writes released to the cluster,
+// and waits for all the others (acquire): after it, any CTA may read what the others wrote, and every CTA has
+// started. cluster_load: a float of CTA `rank`'s shared memory at the address that `p` has in this CTA's.
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ float cluster_load(const float* p, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote));
+  return v;
+#else
+  return rank == 0 ? *p : __int_as_float(0x7fffffff);  // no clusters before sm_90: NaN shows a misuse
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Scalar conversion: storage dtype <-> float32 (all arithmetic is float32)
 // ---------------------------------------------------------------------------------------------------------------

@@ -13,7 +13,9 @@
 // pipelined through shared memory, with an online softmax across tiles:
 //   m = a reference for x (at most kRescaleSlack below the running max), l = Σ 2^(x − m), acc = Σ 2^(x − m)·v.
 // With one partition the CTA writes out = acc / l. With several (split-K, for long contexts or few CTAs) each
-// writes (acc, m, l) to a workspace and paged_decode_reduce combines the partitions.
+// writes (acc, m, l) to a workspace and paged_decode_reduce combines the partitions; or, with CLUSTER, the
+// partitions of one (sequence, KV head, chunk) are the CTAs of a thread block cluster (1, 1, num_parts), which keep
+// their (acc, m, l) in shared memory and combine them there: no workspace and no second launch.
 #include "common.cuh"
 
 namespace cpa {
@@ -35,6 +37,10 @@ constexpr int kStages = 3;         // shared-memory pipeline depth: kStages − 
 #endif
 constexpr int kReduceThreads = 128;
 constexpr int kMaxDecodeTile = 128;  // tokens of the largest tile (16-bit head size 32)
+constexpr int kMaxClusterParts = 8;  // partitions of a cluster-combined grid: a cluster of 8 CTAs is portable
+// CTAs per SM the register budget of a cluster-combined kernel allows: the host launches one only where its grid
+// holds at most one CTA per SM (decode.py, plan_decode), so registers never limit it.
+constexpr int kClusterMinCtas = 2;
 
 // ---------------------------------------------------------------------------------------------------------------
 // Layout of one specialisation.
@@ -78,12 +84,15 @@ struct DecodeLayout {
   static_assert(TILE * NVEC <= kStageVecs, "a tile fits its stage");
   static_assert(TILE <= kMaxDecodeTile, "a tile's key flags fit theirs");
   static_assert((TZ * HG * HEAD + 2 * TZ * HG) * 4 <= kStageBytes, "the epilogue reuses the stage buffers");
+  // A cluster-combined CTA's (acc, m, l) of each head, [HG][HEAD] then [HG][2], past the epilogue's buffers.
+  static_assert(((TZ + 1) * HG * HEAD + 2 * (TZ + 1) * HG) * 4 <= kStageBytes, "the cluster's partials fit too");
 };
 
 // ---------------------------------------------------------------------------------------------------------------
 // The attention kernel. Template parameters: storage dtype T, head size HEAD, cache LAYOUT, HG = query heads per
-// CTA (1, 2, 4 or 8), Bias = NoBias, DenseBias, RaggedBias or T5Bias (common.cuh). The page size is a run-time
-// power of two (block_shift).
+// CTA (1, 2, 4 or 8), Bias = NoBias, DenseBias, RaggedBias or T5Bias (common.cuh), CLUSTER = the partitions are
+// combined in a thread block cluster (sm_90 and later; launched in clusters (1, 1, num_parts), num_parts at most
+// kMaxClusterParts). The page size is a run-time power of two (block_shift).
 //
 // Pipeline: tile i's K and V travel by cp.async into stage i % kStages of shared memory while the CTA computes
 // tile i − kAhead (kAhead = kStages − 1 tiles, 16 KB each, always in flight). Block ids are fetched 2·kAhead tiles
@@ -91,11 +100,12 @@ struct DecodeLayout {
 // constant in the unrolled stage loop), so no thread waits on a load before it needs the value. One barrier per
 // tile hands the stage over; the softmax needs none.
 // ---------------------------------------------------------------------------------------------------------------
-template <typename T, int HEAD, KvLayout LAYOUT, int HG, typename Bias>
-__global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMinCtas) paged_decode(
+template <typename T, int HEAD, KvLayout LAYOUT, int HG, typename Bias, bool CLUSTER>
+__global__ void __launch_bounds__(kDecodeThreads, CLUSTER ? kClusterMinCtas : DecodeLayout<T, HEAD, HG>::kMinCtas)
+paged_decode(
     T* __restrict__ out, long long out_stride_s, long long out_stride_h,  // [num_seqs, num_heads, HEAD]
-    float* __restrict__ part_acc,  // [num_seqs, num_heads, num_parts, HEAD], used when num_parts > 1
-    float* __restrict__ part_ml,   // [num_seqs, num_heads, num_parts, 2] = (m, l), used when num_parts > 1
+    float* __restrict__ part_acc,  // [num_seqs, num_heads, num_parts, HEAD], used when num_parts > 1 (no CLUSTER)
+    float* __restrict__ part_ml,   // [num_seqs, num_heads, num_parts, 2] = (m, l), likewise
     const T* __restrict__ query, long long q_stride_s, long long q_stride_h,  // [num_seqs, num_heads, HEAD]
     const T* __restrict__ key_cache, const T* __restrict__ value_cache, long long cache_block_stride,
     int num_blocks, int block_shift, int num_kv_heads,
@@ -110,7 +120,7 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
   using Cache = PagedCache<T, HEAD, LAYOUT>;
   constexpr int VEC = L::VEC, NVEC = L::NVEC, TX = L::TX, VPL = L::VPL, TZ = L::TZ, TILE = L::TILE;
   constexpr int TPT = L::TPT, KPL = L::KPL, kAhead = kStages - 1;
-  launch_dependents();  // the split-K reduction may start (it waits for this grid before reading)
+  launch_dependents();  // the reduction, or the next call's kernel, may start (it waits for this grid before reading)
   wait_for_primary();   // a split grid's launch may precede the end of the kernel before it: nothing is read before
 
   extern __shared__ uint4 stage_s[];  // [kStages][K, V][TILE][NVEC]; then the epilogue's [TZW][HG][HEAD + 2]
@@ -433,6 +443,8 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
   __syncthreads();     // every thread is done with the stages before the epilogue overwrites them
   float* acc_s = reinterpret_cast<float*>(stage_s);  // [TZW][HG][HEAD]
   float* ml_s = acc_s + TZW * HG * HEAD;             // [TZW][HG][2]
+  [[maybe_unused]] float* mine_s = ml_s + TZW * HG * 2;   // CLUSTER: this CTA's combined acc, [HG][HEAD]
+  [[maybe_unused]] float* mine_ml_s = mine_s + HG * HEAD;  // CLUSTER: and its (m, l), [HG][2]
   const int zw = tz / kSlotsPerWarp;
   const bool writer = tz % kSlotsPerWarp == 0;  // this lane holds its warp's combined slot
   float big_m = m;
@@ -482,7 +494,13 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
       o += acc_s[(z * HG + g) * HEAD + d];
     }
     const int hh = head0 + g;
-    if (num_parts == 1) {
+    if constexpr (CLUSTER) {
+      mine_s[i] = o;
+      if (d == 0) {
+        mine_ml_s[g * 2] = head_m;
+        mine_ml_s[g * 2 + 1] = big_l;
+      }
+    } else if (num_parts == 1) {
       out[seq_late() * out_stride_s + hh * out_stride_h + d] = from_float<T>(big_l > 0.0f ? o / big_l : 0.0f);
     } else {
       const long long at = (static_cast<long long>(seq_late()) * (num_kv_heads * group_size) + hh) * num_parts + part;
@@ -492,6 +510,42 @@ __global__ void __launch_bounds__(kDecodeThreads, DecodeLayout<T, HEAD, HG>::kMi
         part_ml[at * 2 + 1] = big_l;
       }
     }
+  }
+  if constexpr (CLUSTER) {
+    // ---- The cluster's combine, as paged_decode_reduce's: M = max_p m_p, w_p = 2^(m_p − M),
+    // out = Σ_p w_p·acc_p / Σ_p w_p·l_p (zeros when no partition holds a key: every m_p = −inf). The cluster's CTAs
+    // are the partitions, rank p = blockIdx.z; output element i goes to CTA i / kDecodeThreads % num_parts, whose
+    // thread loads every partition's value of it at once (at most kMaxClusterParts, each a shared-memory round
+    // trip within the GPC).
+    cluster_sync();  // every partition's (acc, m, l) is in its CTA's shared memory, visible to the cluster
+    for (int i = part * kDecodeThreads + tid; i < nh * HEAD; i += num_parts * kDecodeThreads) {
+      const int g = i / HEAD;
+      float m_p[kMaxClusterParts], l_p[kMaxClusterParts], o_p[kMaxClusterParts];
+#pragma unroll
+      for (int p = 0; p < kMaxClusterParts; ++p) {
+        m_p[p] = -inf();
+        l_p[p] = o_p[p] = 0.0f;
+        if (p < num_parts) {
+          m_p[p] = cluster_load(mine_ml_s + g * 2, p);
+          l_p[p] = cluster_load(mine_ml_s + g * 2 + 1, p);
+          o_p[p] = cluster_load(mine_s + i, p);
+        }
+      }
+      float big_m = -inf();
+#pragma unroll
+      for (int p = 0; p < kMaxClusterParts; ++p) big_m = fmaxf(big_m, m_p[p]);
+      float big_l = 0.0f;
+      float o = 0.0f;
+#pragma unroll
+      for (int p = 0; p < kMaxClusterParts; ++p) {
+        const float w = m_p[p] == -inf() ? 0.0f : fast_exp2(m_p[p] - big_m);  // an empty partition weighs nothing
+        big_l += w * l_p[p];
+        o += w * o_p[p];
+      }
+      out[seq_late() * out_stride_s + (head0 + g) * out_stride_h + i % HEAD] =
+          from_float<T>(big_l > 0.0f ? o / big_l : 0.0f);
+    }
+    cluster_sync();  // no CTA leaves (its shared memory with it) while another may still read from it
   }
 }
 

@@ -22,12 +22,26 @@ def _compile_all(filename: str, specs: list, arch: str) -> None:
         assert lowered[name].encode() in cubin, f"{name} missing from the {arch} cubin"
 
 
-@pytest.mark.parametrize(("dtype", "layout", "arch"), list(itertools.product(_compile.CUDA_TYPES, _compile.KV_LAYOUTS,
-                                                                            ARCHS)))
-def test_every_decode_specialisation_compiles(dtype, layout, arch):
-    specs = [s for s in _compile.all_decode_specs() if s.dtype == dtype and s.layout == layout]
+DECODE_COMPILES = [  # (dtype, layout, arch, cluster): thread block clusters are sm_90's
+    combo for combo in itertools.product(_compile.CUDA_TYPES, _compile.KV_LAYOUTS, ARCHS, [False, True])
+    if not (combo[3] and combo[2] == "sm_80")
+]
+
+
+@pytest.mark.parametrize(("dtype", "layout", "arch", "cluster"), DECODE_COMPILES)
+def test_every_decode_specialisation_compiles(dtype, layout, arch, cluster):
+    specs = [s for s in _compile.all_decode_specs() if (s.dtype, s.layout, s.cluster) == (dtype, layout, cluster)]
     assert len(specs) == len(_compile.HEAD_SIZES) * len(_compile.HEADS_PER_CTA) * len(_compile.BIAS_MODES)
+    assert {s.offline_arch(arch) for s in specs} == {arch}
     _compile_all("paged_decode.cu", specs, arch)
+
+
+def test_cluster_specialisations_are_not_built_for_sm_80():
+    specs = _compile.all_decode_specs()
+    assert len(specs) == 2 * len(_compile.CUDA_TYPES) * len(_compile.KV_LAYOUTS) * len(_compile.HEAD_SIZES) * \
+        len(_compile.HEADS_PER_CTA) * len(_compile.BIAS_MODES)
+    assert all(s.offline_arch("sm_80") is None and s.offline_arch("sm_90") == "sm_90" for s in specs if s.cluster)
+    assert all(s.offline_arch("sm_80") == "sm_80" for s in specs if not s.cluster)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -44,6 +58,12 @@ def test_sources_inline_their_headers():
 def test_keys_are_readable():
     spec = _compile.DecodeSpec("bf16", 128, "nhd", 4, "t5")
     assert spec.key == "paged_decode_bf16_d128_nhd_g4_bias-t5"
+    assert spec.name_expressions()[0] == \
+        "cpa::paged_decode<__nv_bfloat16, 128, cpa::KvLayout::kNHD, 4, cpa::T5Bias, false>"
+    cluster = _compile.DecodeSpec("f16", 64, "vllm", 1, "dense", cluster=True)
+    assert cluster.key == "paged_decode_f16_d64_vllm_g1_bias-dense_cluster"
+    assert cluster.name_expressions()[0] == \
+        "cpa::paged_decode<__half, 64, cpa::KvLayout::kVLLM, 1, cpa::DenseBias, true>"
     assert _compile.CacheWriteSpec("f16", "vllm", "i64").key == "reshape_and_cache_f16_vllm_slot-i64"
 
 
@@ -160,6 +180,39 @@ def test_split_grid_caps_its_ctas_per_sm(rng, smem_per_sm):
     resident = per_sm // (split.shared_mem + reserved)
     own = per_sm // (split.spec.smem_bytes + reserved)
     assert resident == min(own, decode._SPLIT_CTAS_PER_SM)
+
+
+@pytest.mark.parametrize(
+    ("num_seqs", "max_len", "heads", "head_size", "dtype", "expect"),
+    [(1, 1024, (16, 16), 64, "bf16", True),    # the latency case: 16 CTAs in 8 partitions, 128 of 132 SMs
+     (1, 512, (16, 16), 64, "f16", True),      # 4 partitions
+     (1, 700, (4, 1), 128, "f32", True),       # one CTA of 4 heads in 6 partitions
+     (2, 1024, (16, 16), 64, "bf16", False),   # 256 CTAs: more than one per SM
+     (1, 4096, (16, 16), 64, "bf16", False),   # 32 partitions: more than a cluster holds
+     (64, 2048, (16, 16), 64, "bf16", False),  # unsplit
+     (1, 1024, (32, 8), 128, "bf16", False)],  # the tensor-core kernel
+)
+@pytest.mark.parametrize("clusters", [True, False], ids=["clusters", "no-clusters"])
+def test_cluster_combine_planning(rng, num_seqs, max_len, heads, head_size, dtype, expect, clusters):
+    """A split grid of the FP32 kernel of at most 8 partitions and at most one CTA per SM combines its partitions
+    in clusters where the device has them: the same grid and partitions, no reduction, no workspace, and the
+    kernel's own shared memory (one wave whatever the cap)."""
+    p = make_problem(rng, [1] * (num_seqs - 1) + [max_len], num_heads=heads[0], num_kv_heads=heads[1],
+                     head_size=head_size, dtype=dtype, extra_table_cols=0, spare_blocks=0)
+    problem = _checks.check_decode(*p.args(), scale=None, attn_bias=None, alibi_slopes=None, kv_layout="nhd",
+                                   out=None)
+    smem_per_sm = (233472, 1024)
+    launch = decode.plan_decode(problem, num_sms=132, smem_per_sm=smem_per_sm, clusters=clusters)
+    plain = decode.plan_decode(problem, num_sms=132, smem_per_sm=smem_per_sm)
+    assert launch.cluster == (expect and clusters) and not plain.cluster
+    assert launch.tensor_cores or launch.spec.cluster == launch.cluster
+    assert (launch.grid, launch.num_parts, launch.tokens_per_part) == (plain.grid, plain.num_parts,
+                                                                       plain.tokens_per_part)
+    assert launch.reduces == (launch.num_parts > 1 and not launch.cluster)
+    if launch.cluster:
+        assert 1 < launch.num_parts <= _compile.DECODE_CLUSTER_MAX_PARTS
+        assert launch.grid[0] * launch.num_parts <= 132 and launch.shared_mem == launch.spec.smem_bytes
+        assert launch.spec.max_ctas_per_sm == _compile.DECODE_CLUSTER_MIN_CTAS
 
 
 @pytest.mark.parametrize(("dtype", "arch"), list(itertools.product(_compile.CUDA_TYPES, ARCHS)))
@@ -412,7 +465,9 @@ def test_host_mirrors_of_kernel_constants():
     decode_checks = [f"static_assert(cpa::kDecodeThreads == {decode._THREADS}, \"threads\");",
                      f"static_assert(cpa::kT5NearDistances == {_compile.DECODE_T5_NEAR_DISTANCES}, \"t5 near\");",
                      f"static_assert(cpa::kReduceThreads == {decode._REDUCE_THREADS}, \"reduce\");",
-                     f"static_assert(cpa::kMaxLongestFirstSeqs == {decode._MAX_LONGEST_FIRST_SEQS}, \"ranking\");"]
+                     f"static_assert(cpa::kMaxLongestFirstSeqs == {decode._MAX_LONGEST_FIRST_SEQS}, \"ranking\");",
+                     f"static_assert(cpa::kMaxClusterParts == {_compile.DECODE_CLUSTER_MAX_PARTS}, \"cluster\");",
+                     f"static_assert(cpa::kClusterMinCtas == {_compile.DECODE_CLUSTER_MIN_CTAS}, \"cluster\");"]
     for dt in t:
         for d in _compile.HEAD_SIZES:
             for g in _compile.HEADS_PER_CTA:
@@ -451,20 +506,25 @@ def test_packed_args_are_what_cuLaunchKernel_reads():
     assert ctypes.c_uint32.from_address(params[1] + 4).value == 0  # the high half of a 4-byte argument's slot
 
 
-def test_dependent_launch_structs_match_the_driver_abi():
+def test_launch_ex_structs_match_the_driver_abi():
     """The ctypes mirrors of cuLaunchKernelEx's structs have cuda.h's layout (CUDA 12 and 13, 64-bit):
     CUlaunchAttribute is an int id, 4 bytes of padding and a 64-byte value union (72 bytes); CUlaunchConfig is six
     unsigned dims and the shared-memory size (28 bytes), the stream at 32, the attributes at 40, their count at 48
-    (56 bytes). The prebuilt attribute asks for programmatic stream serialisation (id 6) with the value 1."""
+    (56 bytes). Programmatic stream serialisation is attribute 6 with the value 1, a cluster's dimensions attribute
+    4 with three unsigned values (CUlaunchAttributeValue's clusterDim)."""
     import ctypes
 
     assert ctypes.sizeof(decode._LaunchAttribute) == 72 and decode._LaunchAttribute.value.offset == 8
     assert ctypes.sizeof(decode._LaunchConfig) == 56
     assert [getattr(decode._LaunchConfig, f).offset for f in ("shared_mem", "stream", "attrs", "num_attrs")] == \
         [24, 32, 40, 48]
-    assert (decode._DEPENDENT.id, decode._DEPENDENT.value) == (6, 1)
-    launch = decode._DependentLaunch(0x1234, (3, 2, 1), 128, decode._PackedArgs([("n", np.int32(5))]))
-    assert list(launch._config.grid) == [3, 2, 1] and list(launch._config.block) == [128, 1, 1]
-    assert launch._config.num_attrs == 1 and launch._config.attrs.contents.value == 1
+    args = decode._PackedArgs([("n", np.int32(5))])
+    for dependent, cluster in ((True, None), (False, (1, 1, 8)), (True, (1, 1, 3)), (False, None)):
+        launch = decode._LaunchEx(0x1234, (3, 2, 1), 128, args, 4096, dependent=dependent, cluster=cluster)
+        assert list(launch._config.grid) == [3, 2, 1] and list(launch._config.block) == [128, 1, 1]
+        assert launch._config.shared_mem == 4096
+        expected = ([(6, [1, 0, 0])] if dependent else []) + ([(4, list(cluster))] if cluster else [])
+        attrs = [launch._config.attrs[i] for i in range(launch._config.num_attrs)]
+        assert [(a.id, list(a.value)) for a in attrs] == expected
     # Without a driver (this CPU machine) there is no cuLaunchKernelEx, and nothing fails on import or lookup.
     assert decode._launch_kernel_ex() is None or callable(decode._launch_kernel_ex())

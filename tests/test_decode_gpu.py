@@ -29,6 +29,18 @@ GRID = [
 ]
 
 
+@pytest.fixture(params=["single-pass", "split-k", "split-k-cluster"])
+def split(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """conftest's ``split``, with the FP32 kernel's split-K partitions combined both ways: by the reduction kernel
+    ("split-k") and, where the device launches thread block clusters, in clusters ("split-k-cluster": the huge
+    GPU puts every split grid of at most 8 partitions at one CTA per SM). The tensor-core kernel has one split
+    path, taken by both."""
+    sms = 1 if request.param == "single-pass" else 10**6
+    monkeypatch.setattr(decode, "_num_sms", lambda device: sms)
+    monkeypatch.setattr(decode, "CLUSTER_COMBINE", request.param == "split-k-cluster")
+    return request.param
+
+
 def to_cupy(arr):
     """A CuPy copy of a NumPy array that keeps its strides (stride 0 stays 0): copy the owner, view it alike."""
     import cupy
@@ -165,6 +177,43 @@ def test_single_pass_and_split_k_agree(rng, monkeypatch):
         results[name] = run_cupy(p)
     np.testing.assert_allclose(results["single"], results["split"], atol=1e-5, rtol=1e-5)
     assert_close(results["split"], paged_attention_ref(*p.args(), **p.kwargs()), "f32")
+
+
+CLUSTER_GRID = [  # (dtype, head_size, (num_heads, num_kv_heads), layout, bias, longest sequence): 2-8 partitions
+    ("bf16", 64, (16, 16), "nhd", "dense", 1024),           # the latency case's shape: 8 partitions, 1 head a CTA
+    ("f16", 128, (8, 4), "vllm", "ragged", 300),            # 3 partitions, 2 heads a CTA
+    ("f32", 256, (8, 2), "nhd", "t5-bidir", 520),           # 5 partitions, 4 heads a CTA
+    ("f32", 32, (8, 1), "nhd", "none", 129),                # 2 partitions, 8 heads a CTA
+    ("bf16", 80, (4, 4), "vllm", "t5-causal", 900),         # 8 partitions, a partial last one
+    ("f16", 192, (6, 2), "nhd", "broadcast-head", 640),     # 5 partitions, 3 heads in a CTA of 4
+    ("bf16", 96, (8, 8), "nhd", "strided", 777),            # 7 partitions
+]
+
+
+@pytest.mark.parametrize(("dtype", "head_size", "heads", "layout", "bias", "longest"), CLUSTER_GRID,
+                         ids=[f"{d}-d{h}-{q}of{k}-{lay}-{b}-L{n}" for d, h, (q, k), lay, b, n in CLUSTER_GRID])
+def test_cluster_combine(rng, monkeypatch, dtype, head_size, heads, layout, bias, longest):
+    """Split grids of the FP32 kernel that combine their partitions in thread block clusters (2 to 8 partitions,
+    1 to 8 heads a CTA, every bias kind, ALiBi) against the reference and against the same grid combined by the
+    reduction kernel; the output poisoned, unused page slots NaN, an empty and a one-key sequence among longer
+    ones (whole partitions with no key)."""
+    if not decode._has_launch_ex(0):
+        pytest.skip("thread block clusters need compute capability 9.0")
+    monkeypatch.setattr(decode, "_num_sms", lambda device: 10**6)
+    monkeypatch.setattr(decode, "TENSOR_CORE_MIN_GROUP", 10**9)  # the FP32 kernel, whatever the group
+    p = make_problem(rng, [longest, 0, 1, longest // 2 + 5], num_heads=heads[0], num_kv_heads=heads[1],
+                     head_size=head_size, dtype=dtype, kv_layout=layout, bias=bias, bias_dtype=dtype, alibi=True,
+                     extra_table_cols=0)
+    expected = paged_attention_ref(*p.args(), **p.kwargs())
+    results = {}
+    for cluster in (True, False):
+        monkeypatch.setattr(decode, "CLUSTER_COMBINE", cluster)
+        results[cluster], launch = run_plan_poisoned(p)
+        assert not launch.tensor_cores and launch.cluster == cluster and launch.reduces == (not cluster)
+        assert 1 < launch.num_parts <= _compile.DECODE_CLUSTER_MAX_PARTS
+        assert_close(results[cluster], expected, dtype, f"{'cluster' if cluster else 'reduction'} combine")
+    np.testing.assert_allclose(results[True].astype(np.float32), results[False].astype(np.float32),
+                               atol=1e-2 if dtype != "f32" else 1e-5, rtol=1e-2 if dtype != "f32" else 1e-5)
 
 
 def ranked_problem(rng, num_seqs, longest, heads, head_size, bias, in_order=False):
@@ -511,31 +560,36 @@ def test_plan_runs_like_paged_attention(rng, split, framework, bias):
 
 
 @pytest.mark.parametrize("dependent", [True, False], ids=["dependent-launches", "plain-launches"])
-@pytest.mark.parametrize("kernel", ["fp32-loop", "tensor-cores"])
+@pytest.mark.parametrize("kernel", ["fp32-loop", "fp32-cluster", "tensor-cores"])
 def test_split_plan_reruns_and_replays(rng, monkeypatch, kernel, dependent):
     """Split-K runs of one plan, eager and as CUDA-graph replays, each on fresh data in the same buffers: the plan's
     workspace is reused by every run, and a sequence shorter than the partitions' span (3 keys) must not pick up a
     previous run's partials. Both kernels are launched both ways: with programmatic dependent launch (on devices
     that have it), where the reduction starts while the attention kernel runs and the attention kernel while the
     kernel before it runs (here a kernel that has just written every input, or the previous run's reduction), and
-    plainly."""
+    plainly; the FP32 kernel also with its partitions combined in clusters (no reduction, no workspace)."""
     import cupy
 
     torch = pytest.importorskip("torch")
+    has_launch_ex = int(cupy.cuda.Device().compute_capability) >= 90
+    cluster = kernel == "fp32-cluster"
+    if cluster and not has_launch_ex:
+        pytest.skip("thread block clusters need compute capability 9.0")
     monkeypatch.setattr(decode, "_num_sms", lambda device: 10**6)
     monkeypatch.setattr(decode, "TENSOR_CORE_MIN_GROUP", 1 if kernel == "tensor-cores" else 10**9)
     monkeypatch.setattr(decode, "DEPENDENT_REDUCE", dependent)
     monkeypatch.setattr(decode, "DEPENDENT_ATTENTION", dependent)
+    monkeypatch.setattr(decode, "CLUSTER_COMBINE", cluster)
     shape = dict(num_heads=8, num_kv_heads=2, head_size=64, dtype="bf16", bias="dense", bias_dtype="bf16",
                  alibi=True, spare_blocks=0, extra_table_cols=0)
-    lens = [1500, 3, 700]
+    lens = [900 if cluster else 1500, 3, 700]  # a cluster holds at most 8 partitions of 128 keys
     first = make_problem(rng, lens, **shape)
     args, kwargs = device_args(first, to_torch)
     plan = cpa.DecodePlan(*args, **kwargs)
     assert plan.launch.num_parts > 1 and plan.launch.tensor_cores == (kernel == "tensor-cores")
-    has_dependent_launch = int(cupy.cuda.Device().compute_capability) >= 90
-    assert (plan._dependent_reduce is not None) == (dependent and has_dependent_launch)
-    assert (plan._dependent_attention is not None) == (dependent and has_dependent_launch)
+    assert plan.launch.cluster == cluster and (plan._workspace is None) == cluster
+    assert (plan._reduce_launch is not None) == (dependent and has_launch_ex and not cluster)
+    assert (plan._attention_launch is not None) == ((dependent and has_launch_ex) or cluster)
     extra = ("attn_bias", "alibi_slopes")
     out = torch.full_like(args[0], float("nan"))
     graph = captured(lambda: plan.run(*args, **{k: kwargs[k] for k in extra}, out=out))
@@ -743,7 +797,8 @@ def check_hostile_launch(args, kwargs, split, spec_bias):
     with that bias specialisation, split in partitions exactly when the ``split`` fixture asks for it."""
     launch = cpa.DecodePlan(*args, **kwargs).launch
     assert launch.tensor_cores == (spec_bias is not None) and (spec_bias is None or launch.spec.bias == spec_bias)
-    assert (launch.num_parts > 1) == (split == "split-k")
+    assert (launch.num_parts > 1) == (split != "single-pass")
+    assert launch.cluster == (split == "split-k-cluster" and spec_bias is None and decode._has_launch_ex(0))
 
 
 @pytest.mark.parametrize(("dtype", "bias_dtype", "spec_bias"), [("f32", "f32", None), ("bf16", "f32", "dense"),

@@ -22,7 +22,7 @@ import cupy_paged_attn as cpa
 from cupy_paged_attn import decode, prefill
 from cupy_paged_attn.reference import paged_attention_ref, paged_prefill_attention_ref, to_numpy
 
-CASES = [  # (name, make_problem keywords, force split-K: or the SMs to plan for)
+CASES = [  # (name, make_problem keywords, split-K: False, True, "reduce" (not in clusters) or the SMs to plan for)
     ("mha-bf16-d64-nhd", dict(seq_lens=[1, 17, 40, 0], num_heads=4, num_kv_heads=4, head_size=64, dtype="bf16",
                               bias="dense", bias_dtype="bf16"), False),
     ("gqa4-f16-d128-vllm-split", dict(seq_lens=[300, 5], num_heads=8, num_kv_heads=2, head_size=128, dtype="f16",
@@ -36,7 +36,13 @@ CASES = [  # (name, make_problem keywords, force split-K: or the SMs to plan for
                                             bias="ragged-strided", bias_dtype="bf16"), True),
     ("t5-bidir-f16-d64", dict(seq_lens=[200, 1], num_heads=4, num_kv_heads=4, dtype="f16", bias="t5-bidir",
                               bias_dtype="f32", alibi=True), False),
-    ("t5-causal-f32-split", dict(seq_lens=[260], num_heads=4, num_kv_heads=1, bias="t5-causal"), True),
+    ("t5-causal-f32-split", dict(seq_lens=[260], num_heads=4, num_kv_heads=1, bias="t5-causal"), "reduce"),
+    # The FP32 kernel's partitions combined in thread block clusters (sm_90): the latency case's shape, 8
+    # partitions; a CTA of 4 heads (3 in use) in 3 partitions, an empty and a one-key sequence beside it.
+    ("latency-bf16-d64-dense-cluster", dict(seq_lens=[1024], num_heads=16, num_kv_heads=16, dtype="bf16",
+                                            bias="dense", bias_dtype="bf16", alibi=True), 132),
+    ("gqa3-f32-d128-t5-cluster", dict(seq_lens=[300, 0, 1], num_heads=6, num_kv_heads=2, head_size=128,
+                                      bias="t5-bidir"), True),
     ("gqa20-bf16-d96-t5-split", dict(seq_lens=[333, 64, 1], num_heads=40, num_kv_heads=2, head_size=96,
                                      dtype="bf16", bias="t5-bidir", bias_dtype="bf16"), True),
     ("gqa16-bf16-d128-dense", dict(seq_lens=[200, 3], num_heads=32, num_kv_heads=2, head_size=128, dtype="bf16",
@@ -51,9 +57,10 @@ CASES = [  # (name, make_problem keywords, force split-K: or the SMs to plan for
 ]
 
 
-def run(name: str, kwargs: dict, split: bool | int, rng: np.random.Generator) -> None:
+def run(name: str, kwargs: dict, split: bool | str | int, rng: np.random.Generator) -> None:
     sms = split if type(split) is int else 10**6 if split else 1
     decode._num_sms = lambda device: sms
+    decode.CLUSTER_COMBINE = split != "reduce"
     p = make_problem(rng, **kwargs)
     args, kw = device_args(p, to_cupy)
     out = cupy.full(p.query.shape, np.nan, dtype=p.query.dtype)
@@ -95,10 +102,13 @@ def hostile(rng: np.random.Generator) -> None:
     """Hostile device data on every decode path (FP32 loop, tensor cores with biases staged or not; single pass and
     split, long enough sequences that the split has partitions; a split taken longest first), prefill and the cache
     write."""
-    # (split, dtype, bias dtype): the FP32 loop; the tensor cores, a 16-bit bias staged in shared memory or not
-    for split, dtype, bias_dtype in ((False, "f32", "f32"), (True, "f32", "f32"), (False, "bf16", "f32"),
-                                     (True, "bf16", "bf16"), (False, "f16", "f16"), (True, "f16", "f32")):
+    # (split, dtype, bias dtype): the FP32 loop, split combined in clusters and by the reduction kernel; the tensor
+    # cores, a 16-bit bias staged in shared memory or not
+    for split, dtype, bias_dtype in ((False, "f32", "f32"), (True, "f32", "f32"), ("reduce", "f32", "f32"),
+                                     (False, "bf16", "f32"), (True, "bf16", "bf16"), (False, "f16", "f16"),
+                                     (True, "f16", "f32")):
         decode._num_sms = (lambda device: 10**6) if split else (lambda device: 1)
+        decode.CLUSTER_COMBINE = split != "reduce"
         p = make_problem(rng, [400, 300, 200, 100], num_heads=4, num_kv_heads=2, bias="dense", dtype=dtype,
                          bias_dtype=bias_dtype)
         tables = p.block_tables.copy()
@@ -121,6 +131,7 @@ def hostile(rng: np.random.Generator) -> None:
             cpa.paged_attention(*args, **kw)
     # A tail split taken longest first (8 CTAs, 6 slots): lengths clamped before the ranking and each sequence's cut.
     decode._num_sms = lambda device: 2
+    decode.CLUSTER_COMBINE = True
     p = make_problem(rng, [400, 300, 200, 100], num_heads=8, num_kv_heads=2, head_size=128, bias="dense",
                      dtype="bf16", bias_dtype="bf16")
     args, kw = device_args(p, to_cupy)
