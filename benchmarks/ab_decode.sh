@@ -19,6 +19,7 @@ for round in $(seq "$rounds"); do
       > "$log" 2>&1 || status=1
     sed -n '/^copy bandwidth/,/^$/p; /^case  *| impl/,/^$/p' "$log" | grep -v "^$" || tail -n 20 "$log"
     { echo "== round $round: $tree"; cat "$log"; } >> "${OUT:-/tmp}/ab-decode.log"
+    rm -f "$log"
   done
 done
 echo "== host time (host_ab.py)"
