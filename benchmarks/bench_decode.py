@@ -1275,6 +1275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from cupy_paged_attn import decode
 
         decode.TENSOR_CORE_MIN_GROUP = 1 if args.kernel == "tensor-cores" else 10**9
+        decode.TENSOR_CORE_MHA = args.kernel == "tensor-cores"
     api = library_api()
     timer = Timer(args.timer, args.reps, args.warmup)
     env = environment(timer, api)

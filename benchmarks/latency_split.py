@@ -47,6 +47,7 @@ def per_call_us(min_part: int, kernel: str, bias_kind: str) -> tuple[int, float]
 
     decode._MIN_PART_TOKENS = min_part
     decode.TENSOR_CORE_MIN_GROUP = 1 if kernel == "tensor-cores" else 10**9
+    decode.TENSOR_CORE_MHA = kernel == "tensor-cores"
     case = latency_case()
     operands = [case[n] for n in ("query", "key_cache", "value_cache", "block_tables", "seq_lens")]
     heads = case["query"].shape[1]

@@ -32,6 +32,13 @@ _SPLIT_CTAS_PER_SM = 3
 #: Grouped-query decode runs on the tensor cores (paged_prefill.cu's decode tiling) from this group size up, for
 #: float16 / bfloat16 and head sizes up to 128: its FP32 loop costs ~80 instructions per (token, query head).
 TENSOR_CORE_MIN_GROUP = 2
+#: Multi-head problems (one query head per KV head) run on the tensor cores too where that kernel's grid fills the
+#: GPU (a wave of its CTAs or more: no split), with no bias, a dense one or T5. H200 (µs none / dense): B64 H16/16 d64
+#: L∈[1024, 2048] 103.9 / 105.5 -> 99.1 / 100.5, L2048 134.7 / 135.9 -> 131.1 / 133.7, B128 H32/32 d128 L4096
+#: 1950 / 1953 -> 1927 / 1942. Not with a ragged bias (the tile's copy of one head's bias per key cost more: B64 L2048
+#: 136.9 -> 140.3), and not split: B8 H16 d64 L∈[4096, 131072] in 3 partitions 548 -> 712, the latency case 7.7 ->
+#: 8.3 (benchmarks/NOTES.md, session 25). False: multi-head problems stay on the FP32 kernel (A/B runs).
+TENSOR_CORE_MHA = True
 #: Launch the split-K reduction with programmatic dependent launch where the device has it (compute capability 9.0
 #: and later): its CTAs start while the attention kernel runs and wait for it in the kernel (``wait_for_primary`` in
 #: common.cuh), which hides the reduction's launch. False launches it after the attention kernel (A/B runs).
@@ -143,11 +150,20 @@ class DecodeLaunch:
         return self.num_parts > 1 and not self.cluster
 
 
-def uses_tensor_cores(problem: _checks.DecodeProblem) -> bool:
-    """Whether :func:`plan_decode` runs ``problem`` on the tensor cores."""
+def uses_tensor_cores(problem: _checks.DecodeProblem, num_sms: int) -> bool:
+    """Whether :func:`plan_decode` runs ``problem`` on the tensor cores of a device of ``num_sms`` SMs: grouped
+    queries (:data:`TENSOR_CORE_MIN_GROUP`), and multi-head problems whose grid fills the GPU unsplit: a wave of
+    its CTAs or more, and no tail split (:func:`tail_parts`; :data:`TENSOR_CORE_MHA`)."""
     p = problem
-    return (p.dtype in ("f16", "bf16") and p.head_size in _compile.DECODE_MMA_HEAD_SIZES
-            and p.group_size >= TENSOR_CORE_MIN_GROUP)
+    if p.dtype not in ("f16", "bf16") or p.head_size not in _compile.DECODE_MMA_HEAD_SIZES:
+        return False
+    if p.group_size >= TENSOR_CORE_MIN_GROUP:
+        return True
+    if not (TENSOR_CORE_MHA and p.group_size == 1 and p.bias.mode != "ragged"):
+        return False
+    ctas = p.num_seqs * p.num_kv_heads  # (one CTA per sequence and head, unsplit)
+    slots = _compile.decode_ctas_per_sm(p.head_size, _compile.decode_rows(1)) * num_sms
+    return ctas >= slots and tail_parts(ctas, slots) == 1
 
 
 def tensor_core_bias_mode(bias: _checks.CheckedBias, head_size: int, rows: int) -> str:
@@ -223,7 +239,7 @@ def plan_decode(problem: _checks.DecodeProblem, num_sms: int,
     partitions in them (:data:`CLUSTER_COMBINE`).
     """
     p = problem
-    if uses_tensor_cores(p):
+    if uses_tensor_cores(p, num_sms):
         # One CTA per (sequence, 8 or 16 query heads of a KV group, KV head) in x, KV head fastest (cta_rows in
         # paged_prefill.cu), and per partition in z.
         rows = _compile.decode_rows(p.group_size)
@@ -760,8 +776,8 @@ def _plan_key(named: dict[str, Any], scale: Any, kv_layout: Any,
         if device < 0:  # a torch tensor on the CPU
             return None
         key = (kind, tuple(map(type, named.values())), tuple(signatures.values()), type(scale), scale, kv_layout,
-               _checks.bias_geometry(attn_bias), _num_sms(device), TENSOR_CORE_MIN_GROUP, DEPENDENT_REDUCE,
-               DEPENDENT_ATTENTION, LONGEST_FIRST, CLUSTER_COMBINE)
+               _checks.bias_geometry(attn_bias), _num_sms(device), TENSOR_CORE_MIN_GROUP, TENSOR_CORE_MHA,
+               DEPENDENT_REDUCE, DEPENDENT_ATTENTION, LONGEST_FIRST, CLUSTER_COMBINE)
         plan = _PLANS.__dict__.get("plans", {}).get(key)  # hashes the key: an unhashable scale or layout raises
     except (AttributeError, TypeError):  # not an array of the query's framework; an unhashable scale or layout
         return None
@@ -772,10 +788,10 @@ def _problem_key(problem: _checks.DecodeProblem, framework: str, device: int) ->
     """The key of a checked problem's plan: everything a plan fixes."""
     p, b = problem, problem.bias
     return (
-        framework, device, _num_sms(device), TENSOR_CORE_MIN_GROUP, DEPENDENT_REDUCE, DEPENDENT_ATTENTION,
-        LONGEST_FIRST, CLUSTER_COMBINE, p.dtype, p.head_size, p.kv_layout, p.num_seqs, p.num_heads, p.num_kv_heads,
-        p.max_len, p.scale, _kernel_strides(p.query), _kernel_strides(p.block_tables), dataclasses.astuple(p.cache),
-        b.mode, b.strides, b.dtype, b.n, b.m, p.alibi_slopes is None,
+        framework, device, _num_sms(device), TENSOR_CORE_MIN_GROUP, TENSOR_CORE_MHA, DEPENDENT_REDUCE,
+        DEPENDENT_ATTENTION, LONGEST_FIRST, CLUSTER_COMBINE, p.dtype, p.head_size, p.kv_layout, p.num_seqs,
+        p.num_heads, p.num_kv_heads, p.max_len, p.scale, _kernel_strides(p.query), _kernel_strides(p.block_tables),
+        dataclasses.astuple(p.cache), b.mode, b.strides, b.dtype, b.n, b.m, p.alibi_slopes is None,
     )
 
 

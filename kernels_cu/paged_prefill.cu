@@ -468,15 +468,21 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
     return t0 - p_last >= far_after ? 2 : 0;
   };
   // far_s[kind][row]: the two constants of each row, base 2 (shared memory: registers are all taken). Written by
-  // the row's own thread (qc == 0) and read by its quad: visible after the barrier before the first tile.
-  if (kT5 && qc == 0) {
+  // the row's own thread (qc == 0) and read by its quad: visible after the barrier before the first tile. Prefill
+  // writes them here. Decode writes them once its first tiles' copies are issued: each waits on two dependent loads
+  // (bucket, weight), which here delayed those copies, the start of every CTA (H200, B64 H16/16 d64 L2048 and
+  // L∈[1024, 2048] on the tensor cores, T5: 134.5 -> 134.2, 102.8 -> 102.4 us; benchmarks/NOTES.md, session 25).
+  auto fill_far = [&]() {
+    if (kT5 && qc == 0) {
 #pragma unroll
-    for (int hf = 0; hf < NR; ++hf) {
-      const int r = cta_row(hf);
-      far_s[r] = bias.value(seq_bias.load(row_h[hf], 0, 0, -bias_n)) * kLog2e;
-      far_s[ROWS + r] = bias.value(seq_bias.load(row_h[hf], 0, 0, far_after)) * kLog2e;
+      for (int hf = 0; hf < NR; ++hf) {
+        const int r = cta_row(hf);
+        far_s[r] = bias.value(seq_bias.load(row_h[hf], 0, 0, -bias_n)) * kLog2e;
+        far_s[ROWS + r] = bias.value(seq_bias.load(row_h[hf], 0, 0, far_after)) * kLog2e;
+      }
     }
-  }
+  };
+  if constexpr (!L::kDecode) fill_far();
 
   const Cache cache{key_cache, value_cache, cache_block_stride, num_kv_heads, block_shift};
   const int* table = block_tables + s * block_table_stride;
@@ -776,6 +782,7 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
 #pragma unroll
     for (int u = 0; u < AHEAD; ++u) issue_tile(u);
   }
+  if constexpr (L::kDecode) fill_far();  // (see fill_far; decode has no T5 table, REL_TABLE)
   if constexpr (L::kWgmma) fence_proxy_async();  // Q_s (ordinary stores) is read by wgmma, the async proxy
   __syncthreads();  // Q_s (and far_s, rel_s) are complete before the warps read them
   const int group = warp / (kWarpgroupThreads / kWarpSize);  // Hopper: this thread's warpgroup

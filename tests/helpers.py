@@ -98,7 +98,7 @@ def make_problem(
     query = rng.standard_normal((num_seqs, num_heads, head_size)).astype(np_dtype)
     length = max(seq_lens, default=0) + 5
     kind = None
-    if bias in BIAS_KINDS:
+    if bias in BIAS_KINDS or bias in T5_KIND_GEOMETRY:  # (tests may add geometries)
         kind, bias_arr = make_bias_kind(rng, bias, seq_lens, num_heads, DTYPES[bias_dtype])
     else:
         bias_arr = make_bias(rng, bias, num_seqs, num_heads, length, DTYPES[bias_dtype])

@@ -99,8 +99,9 @@ def test_split_planning(rng, seq_lens, heads, expect_split):
      (256, (4, 4), 64, 132, True, True),       # the most sequences one ranking takes
      (257, (4, 4), 64, 132, True, False),      # one more
      (1, (16, 16), 64, 1, True, False),        # nothing to order
-     (33, (16, 16), 64, 132, True, False),     # 528 CTAs: one wave
+     (33, (16, 16), 64, 132, True, False),     # 528 CTAs: one wave (the tensor cores' 1.3, so the FP32 kernel)
      (2, (16, 16), 64, 4, True, True),         # a small GPU
+     # Multi-head grids of 1.5 waves of the tensor cores or more run there but for a ragged bias (the rows above).
      # The tensor cores (bf16): group 4, 8 rows per CTA, three CTAs per SM (396 on 132 SMs).
      (64, (32, 8), 128, 132, True, True),      # 512 CTAs: 1.3 waves, split in three (tail_parts)
      (64, (32, 8), 128, 132, False, False),    # the switch off
@@ -120,7 +121,8 @@ def test_longest_first_planning(rng, monkeypatch, num_seqs, heads, head_size, nu
                      spare_blocks=0)
     problem = _checks.check_decode(*p.args(), **p.kwargs(), out=None)
     launch = decode.plan_decode(problem, num_sms=num_sms)
-    assert launch.tensor_cores == (heads[0] > heads[1])
+    multi_head = heads[0] == heads[1] and bias != "ragged" and 2 * num_seqs * heads[1] >= 3 * 3 * num_sms
+    assert launch.tensor_cores == (heads[0] > heads[1] or multi_head)
     assert launch.longest_first == expect
     assert launch.num_parts == 1 or launch.tensor_cores  # the FP32 kernel orders unsplit grids only
     assert dict(decode._kernel_arguments(problem, launch))["longest_first"] == np.int32(expect)
@@ -289,6 +291,34 @@ def test_tensor_core_decode_planning(rng, dtype, head_size, heads, tensor_cores,
             (2 * tiles * heads[1], 1, -(-head_rows * head_size * groups // (vec * 128))),
             _compile.PREFILL_REDUCE_THREADS)
     assert plan.num_parts * plan.tokens_per_part >= problem.max_len
+
+
+@pytest.mark.parametrize(("dtype", "head_size", "num_seqs", "heads", "bias", "tensor_cores"), [
+    ("bf16", 64, 64, (16, 16), "none", True),        # 1024 CTAs: 2.6 waves of 396 (three a SM)
+    ("f16", 128, 128, (32, 32), "dense", True),
+    ("bf16", 64, 64, (16, 16), "t5-causal", True),
+    ("bf16", 64, 99, (4, 4), "none", True),          # 396 CTAs: one wave exactly
+    ("bf16", 64, 64, (16, 16), "ragged", False),     # a ragged bias stays on the FP32 kernel
+    ("bf16", 64, 33, (16, 16), "none", False),       # 528 CTAs: 1.3 waves, which the tensor cores would split
+    ("bf16", 64, 37, (16, 16), "dense", False),      # 592 CTAs: 1.495 waves, still a tail split
+    ("bf16", 64, 38, (16, 16), "dense", True),       # 608 CTAs: 1.54 waves, none
+    ("bf16", 64, 1, (16, 16), "none", False),        # the latency case: split, on the FP32 kernel
+    ("f32", 64, 64, (16, 16), "none", False),        # no float32 tensor-core decode
+    ("bf16", 256, 64, (16, 16), "none", False),      # nor one past head size 128
+])
+def test_multi_head_tensor_core_planning(rng, monkeypatch, dtype, head_size, num_seqs, heads, bias, tensor_cores):
+    """A multi-head problem runs on the tensor cores where their grid fills the GPU unsplit (a wave or more, no
+    tail split) and the bias is not ragged; else on the FP32 kernel, and always there with the switch off."""
+    p = make_problem(rng, [1] * (num_seqs - 1) + [300], num_heads=heads[0], num_kv_heads=heads[1],
+                     head_size=head_size, dtype=dtype, bias=bias, bias_dtype="bf16", extra_table_cols=0,
+                     spare_blocks=0)
+    problem = _checks.check_decode(*p.args(), **p.kwargs(), out=None)
+    launch = decode.plan_decode(problem, num_sms=132)
+    assert launch.tensor_cores == tensor_cores == decode.uses_tensor_cores(problem, 132)
+    if tensor_cores:
+        assert launch.num_parts == 1 and launch.spec.decode_rows == 8 and launch.grid == (num_seqs * heads[0], 1, 1)
+    monkeypatch.setattr(decode, "TENSOR_CORE_MHA", False)
+    assert not decode.plan_decode(problem, num_sms=132).tensor_cores
 
 
 @pytest.mark.parametrize(("bias", "bias_dtype", "mode"), [

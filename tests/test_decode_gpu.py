@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import helpers
 import numpy as np
 import pytest
 from helpers import BIAS_KINDS, DTYPES, assert_close, convert_bias, dense_attention, hostile_t5_bias, make_problem
@@ -129,6 +130,7 @@ def test_both_decode_kernels(rng, split, monkeypatch, kernel, dtype, head_size, 
     loop (paged_decode.cu). Each, forced, on every group shape: MHA, GQA, MQA, more than 16 heads per KV head; the
     tensor-core kernel's CTAs of 8 rows (groups up to 8) and of 16 (9 to 16 heads, or two CTAs past 16)."""
     monkeypatch.setattr(decode, "TENSOR_CORE_MIN_GROUP", 1 if kernel == "tensor-cores" else 10**9)
+    monkeypatch.setattr(decode, "TENSOR_CORE_MHA", kernel == "tensor-cores")
     alibi = head_size in (64, 112)
     p = make_problem(rng, SEQ_LENS, num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size,
                      block_size=block_size, dtype=dtype, kv_layout=layout, bias=bias, bias_dtype=dtype, alibi=alibi,
@@ -201,6 +203,7 @@ def test_cluster_combine(rng, monkeypatch, dtype, head_size, heads, layout, bias
         pytest.skip("thread block clusters need compute capability 9.0")
     monkeypatch.setattr(decode, "_num_sms", lambda device: 10**6)
     monkeypatch.setattr(decode, "TENSOR_CORE_MIN_GROUP", 10**9)  # the FP32 kernel, whatever the group
+    monkeypatch.setattr(decode, "TENSOR_CORE_MHA", False)
     p = make_problem(rng, [longest, 0, 1, longest // 2 + 5], num_heads=heads[0], num_kv_heads=heads[1],
                      head_size=head_size, dtype=dtype, kv_layout=layout, bias=bias, bias_dtype=dtype, alibi=True,
                      extra_table_cols=0)
@@ -259,9 +262,10 @@ def assert_order_changes_nothing(monkeypatch, p, check_launch):
 
 @pytest.mark.parametrize(("num_seqs", "bias"), [(2, "dense"), (37, "dense"), (256, "dense"), (37, "ragged"),
                                                 (37, "t5-causal"), (256, "t5-bidir")])
-@pytest.mark.parametrize(("heads", "head_size"), [((4, 4), 64), ((8, 2), 64), ((32, 2), 128)],
-                         ids=["fp32-kernel", "tensor-cores-8-rows", "tensor-cores-16-rows"])
-def test_longest_first_order(rng, monkeypatch, num_seqs, bias, heads, head_size):
+@pytest.mark.parametrize(("heads", "head_size", "mha"), [((4, 4), 64, False), ((4, 4), 64, True),
+                                                        ((8, 2), 64, True), ((32, 2), 128, True)],
+                         ids=["fp32-kernel", "tensor-cores-mha", "tensor-cores-8-rows", "tensor-cores-16-rows"])
+def test_longest_first_order(rng, monkeypatch, num_seqs, bias, heads, head_size, mha):
     """Sequences taken longest first (ties and an empty one among them) give the reference's answer, and what index
     order gives bit for bit where the grid is not split, on the FP32 kernel and the tensor-core one (8 and 16 rows
     per CTA: 128 threads rank two sequences each past 128), with each bias kind (T5's FP32 kernels reread the
@@ -269,9 +273,11 @@ def test_longest_first_order(rng, monkeypatch, num_seqs, bias, heads, head_size)
     sequences is the most one ranking takes. (Lengths past the block table and negative ones:
     test_hostile_block_ids_and_lengths_stay_in_bounds, whose single-pass grids are ordered so too.)"""
     monkeypatch.setattr(decode, "_num_sms", lambda device: 1)  # every grid is then several waves
+    monkeypatch.setattr(decode, "TENSOR_CORE_MHA", mha)  # (not with a ragged bias)
 
     def check_launch(launch, order):
-        assert launch.longest_first == order and launch.tensor_cores == (heads[0] > heads[1])
+        tensor_cores = heads[0] > heads[1] or (mha and bias != "ragged")
+        assert launch.longest_first == order and launch.tensor_cores == tensor_cores
         assert launch.num_parts == 1 or launch.tensor_cores  # (2 sequences on the tensor cores: a tail split)
 
     assert_order_changes_nothing(monkeypatch, ranked_problem(rng, num_seqs, 300, heads, head_size, bias),
@@ -299,6 +305,31 @@ def test_longest_first_tail_split(rng, monkeypatch, num_seqs, bias, in_order, he
 
     assert_order_changes_nothing(monkeypatch, ranked_problem(rng, num_seqs, 700, heads, head_size, bias, in_order),
                                  check_launch)
+
+
+T5_GEOMETRY_GRID = [  # (dtype, head_size, group size, max_distance, bidirectional)
+    ("bf16", 64, 1, 447, False), ("f16", 128, 1, 448, True), ("bf16", 128, 2, 191, True), ("f16", 64, 2, 192, False),
+    ("bf16", 64, 4, 60, True), ("bf16", 128, 4, 128, False), ("f16", 96, 1, 20, False), ("bf16", 64, 8, 128, True),
+]
+
+
+@pytest.mark.parametrize(("dtype", "head_size", "group", "max_distance", "bidirectional"), T5_GEOMETRY_GRID,
+                         ids=[f"{d}-d{h}-g{g}-n{n}-{'bidir' if b else 'causal'}" for d, h, g, n, b in T5_GEOMETRY_GRID])
+def test_tensor_core_t5_geometries(rng, split, monkeypatch, dtype, head_size, group, max_distance, bidirectional):
+    """The tensor-core decode with T5 (one head per KV head included, as multi-head problems now run there) over
+    max_distances short and long, sequences shorter than, about and far past max_distance: tiles all far, all near
+    and mixed, the far constants written after the first tiles' copies are issued; single pass and split
+    (partitions that hold no near key). The reference's answer, and an independent dense attention's."""
+    monkeypatch.setattr(decode, "TENSOR_CORE_MIN_GROUP", 1)
+    monkeypatch.setitem(helpers.T5_KIND_GEOMETRY, "t5-geometry", (32, max_distance, bidirectional))
+    lens = [1, max_distance - 1, max_distance + 1, 0, 64, 3 * max_distance + 200]
+    p = make_problem(rng, lens, num_heads=2 * group, num_kv_heads=2, head_size=head_size, dtype=dtype,
+                     bias="t5-geometry", bias_dtype=dtype, alibi=group == 2)
+    args, kwargs = device_args(p, to_cupy)
+    assert cpa.DecodePlan(*args, **kwargs).launch.tensor_cores
+    out = run_cupy(p)
+    assert_close(out, paged_attention_ref(*p.args(), **p.kwargs()), dtype, split)
+    assert_close(out, dense_attention(p), dtype, split + " (independent dense attention)")
 
 
 @pytest.mark.parametrize(("q_dtype", "bias_dtype"), [("bf16", "f32"), ("bf16", "f16"), ("f16", "bf16"),
@@ -577,6 +608,7 @@ def test_split_plan_reruns_and_replays(rng, monkeypatch, kernel, dependent):
         pytest.skip("thread block clusters need compute capability 9.0")
     monkeypatch.setattr(decode, "_num_sms", lambda device: 10**6)
     monkeypatch.setattr(decode, "TENSOR_CORE_MIN_GROUP", 1 if kernel == "tensor-cores" else 10**9)
+    monkeypatch.setattr(decode, "TENSOR_CORE_MHA", kernel == "tensor-cores")
     monkeypatch.setattr(decode, "DEPENDENT_REDUCE", dependent)
     monkeypatch.setattr(decode, "DEPENDENT_ATTENTION", dependent)
     monkeypatch.setattr(decode, "CLUSTER_COMBINE", cluster)
