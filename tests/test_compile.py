@@ -101,7 +101,7 @@ def test_split_planning(rng, seq_lens, heads, expect_split):
      (1, (16, 16), 64, 1, True, False),        # nothing to order
      (33, (16, 16), 64, 132, True, False),     # 528 CTAs: one wave (the tensor cores' 1.3, so the FP32 kernel)
      (2, (16, 16), 64, 4, True, True),         # a small GPU
-     # Multi-head grids of 1.5 waves of the tensor cores or more run there but for a ragged bias (the rows above).
+     # Multi-head grids that fill the tensor cores unsplit (here 1.5 waves or more) run there, but for a ragged bias.
      # The tensor cores (bf16): group 4, 8 rows per CTA, three CTAs per SM (396 on 132 SMs).
      (64, (32, 8), 128, 132, True, True),      # 512 CTAs: 1.3 waves, split in three (tail_parts)
      (64, (32, 8), 128, 132, False, False),    # the switch off
