@@ -1274,8 +1274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.kernel != "auto":
         from cupy_paged_attn import decode
 
-        decode.TENSOR_CORE_MIN_GROUP = 1 if args.kernel == "tensor-cores" else 10**9
-        decode.TENSOR_CORE_MHA = args.kernel == "tensor-cores"
+        for name, value in decode.forced_kernel_switches(args.kernel).items():
+            setattr(decode, name, value)
     api = library_api()
     timer = Timer(args.timer, args.reps, args.warmup)
     env = environment(timer, api)

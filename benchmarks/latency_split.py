@@ -3,8 +3,8 @@ in-kernel): GPU time per call of a CUDA graph of 20 back-to-back ``DecodePlan.ru
 bench_decode.py, which flushes it), median of 20 replays.
 
 Run on a GPU machine: ``PYTHONPATH=. python3 benchmarks/latency_split.py``. Sets ``decode._MIN_PART_TOKENS`` (the
-shortest partition) and ``decode.TENSOR_CORE_MIN_GROUP`` (1 forces the tensor-core kernel) for each row. The case
-is host_overhead.py's, the graph capture bench_decode.py's.
+shortest partition) and the kernel (``decode.forced_kernel_switches``) for each row. The case is host_overhead.py's,
+the graph capture bench_decode.py's.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def per_call_us(min_part: int, kernel: str, bias_kind: str) -> tuple[int, float]
     from cupy_paged_attn import decode
 
     decode._MIN_PART_TOKENS = min_part
-    decode.TENSOR_CORE_MIN_GROUP = 1 if kernel == "tensor-cores" else 10**9
-    decode.TENSOR_CORE_MHA = kernel == "tensor-cores"
+    for name, value in decode.forced_kernel_switches(kernel).items():
+        setattr(decode, name, value)
     case = latency_case()
     operands = [case[n] for n in ("query", "key_cache", "value_cache", "block_tables", "seq_lens")]
     heads = case["query"].shape[1]

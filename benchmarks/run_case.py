@@ -38,8 +38,8 @@ def main() -> None:
 
     _compile._COMPILE_OPTIONS = (*_compile._COMPILE_OPTIONS, *(f"-D{d}" for d in args.define))
     if args.kernel != "auto":
-        decode.TENSOR_CORE_MIN_GROUP = 1 if args.kernel == "tensor-cores" else 10**9
-        decode.TENSOR_CORE_MHA = args.kernel == "tensor-cores"
+        for name, value in decode.forced_kernel_switches(args.kernel).items():
+            setattr(decode, name, value)
 
     import torch
 

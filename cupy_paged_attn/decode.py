@@ -166,6 +166,17 @@ def uses_tensor_cores(problem: _checks.DecodeProblem, num_sms: int) -> bool:
     return ctas >= slots and tail_parts(ctas, slots) == 1
 
 
+def forced_kernel_switches(kernel: str) -> dict[str, Any]:
+    """The values of this module's switches that make :func:`plan_decode` take one kernel wherever it can, for tests
+    and A/B runs (set them with ``monkeypatch.setattr`` or ``setattr``): ``"tensor-cores"``, every float16 /
+    bfloat16 problem of a head size up to 128 on the tensor cores, multi-head ones of any grid and bias too;
+    ``"fp32-loop"``, every problem on the FP32 kernel."""
+    if kernel not in ("tensor-cores", "fp32-loop"):
+        raise ValueError(f"kernel: expected 'tensor-cores' or 'fp32-loop', got {kernel!r}")
+    tensor_cores = kernel == "tensor-cores"
+    return {"TENSOR_CORE_MIN_GROUP": 1 if tensor_cores else 10**9, "TENSOR_CORE_MHA": tensor_cores}
+
+
 def tensor_core_bias_mode(bias: _checks.CheckedBias, head_size: int, rows: int) -> str:
     """The tensor-core decode's specialisation for ``bias``. A float16 / bfloat16 bias whose elements of one tile lie
     side by side is copied into shared memory with each tile's K and V (paged_prefill.cu, stage_bias): a dense one

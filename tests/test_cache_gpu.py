@@ -101,8 +101,8 @@ def test_split_decode_reads_the_token_written_just_before(rng, monkeypatch, kern
     import cupy
 
     monkeypatch.setattr(decode, "_num_sms", lambda device: 10**6)
-    monkeypatch.setattr(decode, "TENSOR_CORE_MIN_GROUP", 1 if kernel == "tensor-cores" else 10**9)
-    monkeypatch.setattr(decode, "TENSOR_CORE_MHA", kernel == "tensor-cores")
+    for name, value in decode.forced_kernel_switches(kernel).items():
+        monkeypatch.setattr(decode, name, value)
     p = make_problem(rng, [700, 3, 300], num_heads=8, num_kv_heads=2, head_size=64, dtype="bf16", bias="dense",
                      bias_dtype="bf16")
     args, kwargs = device_args(p, to_cupy)

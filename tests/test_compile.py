@@ -321,6 +321,22 @@ def test_multi_head_tensor_core_planning(rng, monkeypatch, dtype, head_size, num
     assert not decode.plan_decode(problem, num_sms=132).tensor_cores
 
 
+@pytest.mark.parametrize("kernel", ["tensor-cores", "fp32-loop"])
+def test_forced_kernel_switches(rng, monkeypatch, kernel):
+    """forced_kernel_switches puts every problem either kernel can take on it: a multi-head latency-sized problem
+    with a ragged bias on the tensor cores, a grouped-query one on the FP32 kernel. A kernel it does not know is
+    refused by name."""
+    for name, value in decode.forced_kernel_switches(kernel).items():
+        monkeypatch.setattr(decode, name, value)
+    for heads, bias in (((4, 4), "ragged"), ((8, 2), "dense")):
+        p = make_problem(rng, [5, 300], num_heads=heads[0], num_kv_heads=heads[1], head_size=64, dtype="bf16",
+                         bias=bias, bias_dtype="bf16")
+        problem = _checks.check_decode(*p.args(), **p.kwargs(), out=None)
+        assert decode.plan_decode(problem, num_sms=132).tensor_cores == (kernel == "tensor-cores")
+    with pytest.raises(ValueError, match="kernel: expected 'tensor-cores' or 'fp32-loop', got 'auto'"):
+        decode.forced_kernel_switches("auto")
+
+
 @pytest.mark.parametrize(("bias", "bias_dtype", "mode"), [
     ("dense", "bf16", "dense-rows"), ("dense", "f16", "dense-rows"), ("broadcast-seq", "bf16", "dense-rows"),
     ("broadcast-head", "f16", "dense-rows"), ("dense", "f32", "dense"), ("strided", "bf16", "dense"),

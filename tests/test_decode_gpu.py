@@ -129,8 +129,8 @@ def test_both_decode_kernels(rng, split, monkeypatch, kernel, dtype, head_size, 
     """16-bit decode with head sizes up to 128 has two kernels: the tensor-core one (grouped queries) and the FP32
     loop (paged_decode.cu). Each, forced, on every group shape: MHA, GQA, MQA, more than 16 heads per KV head; the
     tensor-core kernel's CTAs of 8 rows (groups up to 8) and of 16 (9 to 16 heads, or two CTAs past 16)."""
-    monkeypatch.setattr(decode, "TENSOR_CORE_MIN_GROUP", 1 if kernel == "tensor-cores" else 10**9)
-    monkeypatch.setattr(decode, "TENSOR_CORE_MHA", kernel == "tensor-cores")
+    for name, value in decode.forced_kernel_switches(kernel).items():
+        monkeypatch.setattr(decode, name, value)
     alibi = head_size in (64, 112)
     p = make_problem(rng, SEQ_LENS, num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size,
                      block_size=block_size, dtype=dtype, kv_layout=layout, bias=bias, bias_dtype=dtype, alibi=alibi,
@@ -202,8 +202,8 @@ def test_cluster_combine(rng, monkeypatch, dtype, head_size, heads, layout, bias
     if not decode._has_launch_ex(0):
         pytest.skip("thread block clusters need compute capability 9.0")
     monkeypatch.setattr(decode, "_num_sms", lambda device: 10**6)
-    monkeypatch.setattr(decode, "TENSOR_CORE_MIN_GROUP", 10**9)  # the FP32 kernel, whatever the group
-    monkeypatch.setattr(decode, "TENSOR_CORE_MHA", False)
+    for name, value in decode.forced_kernel_switches("fp32-loop").items():  # whatever the group
+        monkeypatch.setattr(decode, name, value)
     p = make_problem(rng, [longest, 0, 1, longest // 2 + 5], num_heads=heads[0], num_kv_heads=heads[1],
                      head_size=head_size, dtype=dtype, kv_layout=layout, bias=bias, bias_dtype=dtype, alibi=True,
                      extra_table_cols=0)
@@ -320,7 +320,8 @@ def test_tensor_core_t5_geometries(rng, split, monkeypatch, dtype, head_size, gr
     max_distances short and long, sequences shorter than, about and far past max_distance: tiles all far, all near
     and mixed, the far constants written after the first tiles' copies are issued; single pass and split
     (partitions that hold no near key). The reference's answer, and an independent dense attention's."""
-    monkeypatch.setattr(decode, "TENSOR_CORE_MIN_GROUP", 1)
+    for name, value in decode.forced_kernel_switches("tensor-cores").items():
+        monkeypatch.setattr(decode, name, value)
     monkeypatch.setitem(helpers.T5_KIND_GEOMETRY, "t5-geometry", (32, max_distance, bidirectional))
     lens = [1, max_distance - 1, max_distance + 1, 0, 64, 3 * max_distance + 200]
     p = make_problem(rng, lens, num_heads=2 * group, num_kv_heads=2, head_size=head_size, dtype=dtype,
@@ -607,8 +608,8 @@ def test_split_plan_reruns_and_replays(rng, monkeypatch, kernel, dependent):
     if cluster and not has_launch_ex:
         pytest.skip("thread block clusters need compute capability 9.0")
     monkeypatch.setattr(decode, "_num_sms", lambda device: 10**6)
-    monkeypatch.setattr(decode, "TENSOR_CORE_MIN_GROUP", 1 if kernel == "tensor-cores" else 10**9)
-    monkeypatch.setattr(decode, "TENSOR_CORE_MHA", kernel == "tensor-cores")
+    for name, value in decode.forced_kernel_switches("fp32-loop" if cluster else kernel).items():
+        monkeypatch.setattr(decode, name, value)
     monkeypatch.setattr(decode, "DEPENDENT_REDUCE", dependent)
     monkeypatch.setattr(decode, "DEPENDENT_ATTENTION", dependent)
     monkeypatch.setattr(decode, "CLUSTER_COMBINE", cluster)
