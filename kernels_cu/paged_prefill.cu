@@ -32,7 +32,8 @@
 // Per tile, each term of the logits is its own loop under a warp-uniform branch (ALiBi, the bias, the mask), so the
 // inner loop stays small: an earlier version with a branch per logit and per bias dtype outgrew the instruction
 // cache and ran 2.3x slower. T5 tiles that lie max_distance or more from every row of the CTA add one constant
-// per row (far_s); the others read a table built once per CTA (rel_s).
+// per row (far_s); the others read a table built once per CTA (prefill: rel_s by relative position; decode: near_s
+// by distance).
 //
 // Hopper tiling (WG = true; sm_90a, float16 / bfloat16, head sizes 64 and 128, prefill): 8 warps as two warpgroups of
 // 64 rows (128 rows per CTA, as above), wgmma (wgmma.cuh) instead of mma.sync: S = Q·Kᵀ with Q and the K tile read
@@ -60,6 +61,7 @@ constexpr int kPrefillWarps = kPrefillThreads / kWarpSize;
 constexpr int kSimtRowsPerCta = 64;   // packed (token, head) rows of a SIMT (float32) CTA
 constexpr int kPrefillStages = 2;     // K/V tiles in shared memory: one computing, one landing
 constexpr int kRelTableMax = 2048;    // floats of a CTA's relative-bias table (T5)
+constexpr int kSmemPerSm = 228 * 1024;  // shared memory of an H100 / H200 SM (each CTA takes 1 KB more than it asks)
 constexpr int kPlanThreads = 1024;
 constexpr int kPrefillReduceThreads = 128;
 constexpr int kReduceBatch = 8;  // partitions whose partials paged_prefill_reduce loads at once
@@ -257,7 +259,7 @@ struct PrefillLayout {
   static constexpr int AHEAD = WG ? 1 : STAGES - 1;
   static constexpr bool kPvDefer = WG && STAGES == 3;
   static constexpr int PAGE_BUFFERS = AHEAD + 2;  // tiles whose page offsets are in shared memory (see page_s)
-  // Decode has one query position per CTA: T5 reads its table per logit (most tiles are far ones anyway).
+  // Decode has one query position per CTA: its T5 table is per distance (near_s, in the kernel), not this one.
   static constexpr int REL_TABLE = kDecode ? 0 : kRelTableMax;
   // Shared memory, in bytes (tiling_smem_bytes; Hopper: 1024 more, to align Q_s and KV_s on the swizzle's period).
   static constexpr int kKVBytes = STAGES * 2 * TILE_N * ROW * kVecBytes;
@@ -469,9 +471,10 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
   };
   // far_s[kind][row]: the two constants of each row, base 2 (shared memory: registers are all taken). Written by
   // the row's own thread (qc == 0) and read by its quad: visible after the barrier before the first tile. Prefill
-  // writes them here. Decode writes them once its first tiles' copies are issued: each waits on two dependent loads
-  // (bucket, weight), which here delayed those copies, the start of every CTA (H200, B64 H16/16 d64 L2048 and
-  // L∈[1024, 2048] on the tensor cores, T5: 134.5 -> 134.2, 102.8 -> 102.4 us; benchmarks/NOTES.md, session 25).
+  // writes them here. Decode takes them from its T5 tables (below), or where those do not fit calls this once its
+  // first tiles' copies are issued: each waits on two dependent loads (bucket, weight), which here delayed those
+  // copies, the start of every CTA (H200, B64 H16/16 d64 L2048 and L∈[1024, 2048] on the tensor cores, T5: 134.5 ->
+  // 134.2, 102.8 -> 102.4 us; benchmarks/NOTES.md, session 25).
   auto fill_far = [&]() {
     if (kT5 && qc == 0) {
 #pragma unroll
@@ -511,6 +514,46 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
     else if constexpr (L::kSwizzledRows) return swizzled_row_vector(ROW, r, c);
     else return r * ROW + c;
   };
+
+  // ---- Decode, T5: every global load before the first copies, none waiting on another. The bias of key j for a
+  // row of head h at position p >= j (decode has no key after its query) is h's weight of bucket index[min(p − j,
+  // n)]. Each thread loads up to kSlots weights of the CTA's heads' columns (entry e = tid + k·THREADS: bucket
+  // e % col_per of head kvh·G + e / col_per) and up to kSlots entries of index at the start; they go to col_s and
+  // idx_s (the end of the last K/V stage, free until the loop's first barrier) once the copies are issued, and after
+  // the prologue's barrier the CTA builds near_s [head][distance 0 ... n − 1] (weights, base 2) and far_s from
+  // them: a near tile's logit reads one shared float. fill_far's chain of two global loads per constant waited
+  // behind the CTA's first copies, and a near tile's chain per logit at the end of every CTA (benchmarks/NOTES.md,
+  // session 26). near_s takes the shared memory that the CTAs per SM leave over (up to 4 KB): at 3 of 4 CTAs of
+  // head size 64 the T5 kernel ran 6 % slower. Larger tables (G·n past kNearTable, or n, G·col_per past
+  // kSlots·THREADS): fill_far and loads per logit.
+  constexpr bool kT5Tables = kT5 && L::kDecode;
+  constexpr int kSlots = 2;
+  constexpr int kSmPerCta = L::kSmemBytes + 1024;  // (the runtime's 1 KB per CTA)
+  constexpr int kNearLeft = (kSmemPerSm / (kSmemPerSm / kSmPerCta) - kSmPerCta) / 4 / 32 * 32;  // floats
+  constexpr int kNearTable = kNearLeft < 1024 ? kNearLeft : 1024;
+  __shared__ float near_s[kT5Tables && kNearTable > 0 ? kNearTable : 1];
+  static_assert(!kT5Tables || kSmemPerSm / (kSmPerCta + sizeof(near_s)) == kSmemPerSm / kSmPerCta,
+                "T5's table costs no CTA per SM");
+  static_assert(!kT5Tables || (kMaxLongestFirstSeqs + 4 + (AHEAD + 1) * TILE_N + 2 * kSlots * L::THREADS) * 4 <=
+                                  2 * TILE_N * ROW * kVecBytes,
+                "the ranking's lengths and ids and T5's column and index share the last K/V stage");
+  const int col_per = kT5Tables ? (bias_m > 0 ? 2 : 1) * static_cast<int>(bias_stride_2) : 0;  // buckets used
+  const bool t5_tables = kT5Tables && G * col_per <= kSlots * L::THREADS && bias_n < kSlots * L::THREADS &&
+                         G * bias_n <= kNearTable;
+  float* col_s = reinterpret_cast<float*>(kv_s + STAGES * 2 * TILE_N * ROW) - 2 * kSlots * L::THREADS;
+  int* idx_s = reinterpret_cast<int*>(col_s + kSlots * L::THREADS);
+  unsigned col_bits[kSlots];
+  int near_idx[kSlots];
+  if constexpr (kT5Tables) {
+    if (t5_tables) {
+#pragma unroll
+      for (int k = 0; k < kSlots; ++k) {
+        const int e = tid + k * L::THREADS;
+        col_bits[k] = e < G * col_per ? seq_bias.near_weight(e % col_per, kvh * G + e / col_per) : 0u;
+        near_idx[k] = e <= bias_n ? seq_bias.near_bucket(e) : 0;
+      }
+    }
+  }
 
   // ---- Q tile -> shared memory (zeros for rows past the sequence and for padding), then A fragments.
   for (int idx = tid; idx < ROWS * NV; idx += L::THREADS) {
@@ -782,9 +825,36 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
 #pragma unroll
     for (int u = 0; u < AHEAD; ++u) issue_tile(u);
   }
-  if constexpr (L::kDecode) fill_far();  // (see fill_far; decode has no T5 table, REL_TABLE)
+  if constexpr (kT5Tables) {  // (decode has no rel_s, REL_TABLE)
+    if (t5_tables) {
+#pragma unroll
+      for (int k = 0; k < kSlots; ++k) {
+        const int e = tid + k * L::THREADS;
+        if (e < G * col_per) col_s[e] = bias.value(col_bits[k]) * kLog2e;
+        if (e <= bias_n) idx_s[e] = seq_bias.held(near_idx[k]);
+      }
+    } else {
+      fill_far();
+    }
+  }
   if constexpr (L::kWgmma) fence_proxy_async();  // Q_s (ordinary stores) is read by wgmma, the async proxy
-  __syncthreads();  // Q_s (and far_s, rel_s) are complete before the warps read them
+  __syncthreads();  // Q_s (and prefill's far_s, rel_s; decode's col_s, idx_s) are complete before the warps read them
+  if constexpr (kT5Tables) {  // decode's near_s and far_s: visible after the loop's first barrier
+    if (t5_tables) {
+      for (int e = tid; e < G * bias_n; e += L::THREADS)
+        near_s[e] = col_s[(e / bias_n) * col_per + idx_s[e % bias_n]];
+      if (qc == 0) {
+        const int before = idx_s[bias_n];  // (index[n]: every distance >= n)
+        const int after = bias_m > 0 ? bias_m + before : idx_s[0];
+#pragma unroll
+        for (int hf = 0; hf < NR; ++hf) {
+          const float* col = col_s + (row_h[hf] - kvh * G) * col_per;
+          far_s[cta_row(hf)] = col[before];
+          far_s[ROWS + cta_row(hf)] = col[after];
+        }
+      }
+    }
+  }
   const int group = warp / (kWarpgroupThreads / kWarpSize);  // Hopper: this thread's warpgroup
 
   unsigned qa[L::kQInRegs ? KSTEPS : 1][4];
@@ -965,6 +1035,21 @@ __global__ void __launch_bounds__(PrefillLayout<T, HEAD, DECODE_ROWS, WG>::THREA
 #pragma unroll
               for (int e = 0; e < EL; ++e)
                 sacc[mt][nt][e] = fmaf(sacc[mt][nt][e], scale2, rel_row[e / 2][key0 + nt * 8 + 2 * qc + (e & 1)]);
+          }
+        } else if (kT5Tables && t5_tables) {  // (decode: keys past the row's query are masked)
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            const float* far_row = far_s + cta_row(2 * mt);
+            const float row_far[2] = {far_row[0], EL > 2 ? far_row[8] : 0.0f};
+#pragma unroll
+            for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+              for (int e = 0; e < EL; ++e) {
+                const int hf = 2 * mt + e / 2;
+                const int d = max(row_p[hf] - (t0 + key0 + nt * 8 + 2 * qc + (e & 1)), 0);
+                const float b = d < bias_n ? near_s[(row_h[hf] - kvh * G) * bias_n + d] : row_far[e / 2];
+                sacc[mt][nt][e] = fmaf(sacc[mt][nt][e], scale2, b);
+              }
           }
         } else {
 #pragma unroll

@@ -310,6 +310,7 @@ def test_longest_first_tail_split(rng, monkeypatch, num_seqs, bias, in_order, he
 T5_GEOMETRY_GRID = [  # (dtype, head_size, group size, max_distance, bidirectional)
     ("bf16", 64, 1, 447, False), ("f16", 128, 1, 448, True), ("bf16", 128, 2, 191, True), ("f16", 64, 2, 192, False),
     ("bf16", 64, 4, 60, True), ("bf16", 128, 4, 128, False), ("f16", 96, 1, 20, False), ("bf16", 64, 8, 128, True),
+    ("bf16", 64, 1, 255, True), ("f16", 64, 8, 160, False), ("f16", 96, 1, 200, True),
 ]
 
 
@@ -318,8 +319,11 @@ T5_GEOMETRY_GRID = [  # (dtype, head_size, group size, max_distance, bidirection
 def test_tensor_core_t5_geometries(rng, split, monkeypatch, dtype, head_size, group, max_distance, bidirectional):
     """The tensor-core decode with T5 (one head per KV head included, as multi-head problems now run there) over
     max_distances short and long, sequences shorter than, about and far past max_distance: tiles all far, all near
-    and mixed, the far constants written after the first tiles' copies are issued; single pass and split
-    (partitions that hold no near key). The reference's answer, and an independent dense attention's."""
+    and mixed; single pass and split (partitions that hold no near key). The CTA's near table and far constants come
+    from shared memory where the table fits (max_distance < 256 and group · max_distance within the floats that the
+    CTAs per SM leave over, 1024 at most: 255, 128 at group 8, 192 at head size 96 the largest here), else from
+    loads per logit (447, 448, 160 at group 8, 200 at head size 96). The reference's answer, and an independent
+    dense attention's."""
     for name, value in decode.forced_kernel_switches("tensor-cores").items():
         monkeypatch.setattr(decode, name, value)
     monkeypatch.setitem(helpers.T5_KIND_GEOMETRY, "t5-geometry", (32, max_distance, bidirectional))
