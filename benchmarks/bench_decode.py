@@ -101,7 +101,7 @@ COPY_BYTES = 4 << 30  # size of the copy-bandwidth buffer (each of source and de
 FLUSH_BYTES = 256 << 20  # zeroed before every repetition to flush L2 (H200: 50 MB of L2)
 OWN_CACHES_BUDGET = 2 << 30  # each input set gets its own caches while all of them fit in this
 MIN_SETS = 2
-NOMINAL_COPY_GBPS = 4270.0  # H200 device-to-device copy (GPU_NOTES.md); only for --dry-run's floor times
+NOMINAL_COPY_GBPS = 4270.0  # H200 device-to-device copy, measured; only for --dry-run's floor times
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}  # max |row - what it is checked against|
 T5_NUM_BUCKETS, T5_MAX_DISTANCE = 32, 128
@@ -181,7 +181,7 @@ CASES = (
     Case(1, 32, 8, 128, 65536, max_sets=LONG),
     Case(4, 32, 8, 128, 32768, max_sets=LONG),
     Case(8, 16, 16, 64, 131072, min_len=4096, max_sets=LONG),
-    # Widely spread lengths, as a serving batch has them (the grid's tail: decode.LONGEST_FIRST).
+    # Widely spread lengths, as a serving batch has them (the grid's tail: planning.longest_first).
     Case(64, 16, 16, 64, 8192, min_len=128),
     Case(128, 8, 8, 128, 4096, min_len=64),
     # The same, grouped queries (the tensor-core decode: 512 and 1024 CTAs where an H200 holds 396).
@@ -270,13 +270,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="how sdpa handles GQA: repeat_interleave the KV heads (default; keeps SDPA's "
                              "fused kernels with a float mask) or SDPA's enable_gqa=True")
     parser.add_argument("--no-graph", action="store_true", help="time eager calls only")
-    parser.add_argument("--kernel", choices=("auto", "tensor-cores", "fp32-loop"), default="auto",
+    parser.add_argument("--kernel", choices=("auto", "tensor-cores", "simt"), default="auto",
                         help="our decode kernel: auto (the library's choice), or force the tensor-core one (16-bit, "
-                             "head size <= 128) or the FP32 loop, for comparisons")
+                             "head size <= 128) or the SIMT one, for comparisons")
     parser.add_argument("--seed", type=int, default=0, help="seed of all random data (default: 0)")
-    parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
-                        help="compile our kernels with -DNAME=VALUE (A/B runs of a kernel switch, e.g. "
-                             "CPA_BIAS_RING=2)")
     parser.add_argument("--out", metavar="DIR", help="write DIR/decode.json and DIR/decode.png")
     parser.add_argument("--list", action="store_true", help="print the cases and exit (no GPU needed)")
     parser.add_argument("--dry-run", action="store_true",
@@ -1266,16 +1263,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("bench_decode: no CUDA device; this benchmark needs a GPU (--help, --list and --dry-run work without "
               "one)", file=sys.stderr)
         return 2
+    from cupy_paged_attn import tuning
+
+    with tuning.override(decode_kernel=args.kernel):
+        return measure(args)
+
+
+def measure(args: argparse.Namespace) -> int:
+    """The GPU part of :func:`main`: every case and row, then the report."""
     start = time.perf_counter()
-    if args.define:
-        from cupy_paged_attn import _compile
-
-        _compile._COMPILE_OPTIONS = (*_compile._COMPILE_OPTIONS, *(f"-D{d}" for d in args.define))
-    if args.kernel != "auto":
-        from cupy_paged_attn import decode
-
-        for name, value in decode.forced_kernel_switches(args.kernel).items():
-            setattr(decode, name, value)
     api = library_api()
     timer = Timer(args.timer, args.reps, args.warmup)
     env = environment(timer, api)

@@ -1,37 +1,56 @@
-"""Prefill attention with T5's relative-position bias: ours (bias computed in the kernel from the paged cache)
-against the two things a PyTorch user has without a paged kernel:
+"""Prefill benchmark: ``cupy_paged_attn.paged_prefill_attention`` against PyTorch's attention, with and without a bias.
 
-* ``sdpa``: gather K/V through the block table, then ``scaled_dot_product_attention`` with the bias materialised as a
-  float mask ``[B, H, L, L]`` (built once, outside the timing; the causal mask folded into it);
-* ``flex``: gather K/V, then ``torch.compile(flex_attention)`` with a T5 ``score_mod`` (bucket and table lookups)
-  and, when causal, a causal block mask.
+Run on a GPU machine from the repository root::
 
-``ours w/o bias`` is the same call without the bias (what the bias costs); ``ours mma.sync`` the same call on
-the tensor-core kernel's mma.sync tiling (what GPUs other than H100 / H200 run), where the Hopper tiling applies.
-Times are CUDA-event medians of ``--reps`` runs of 5 back-to-back calls, after warm-ups (each peer's time includes
-its gather). TFLOP/s count 4·B·H·d per (query, key) pair that the mask keeps (about half of them when causal). Usage:
-``PYTHONPATH=. python benchmarks/bench_prefill.py [--reps 20] [--quick]``.
+    PYTHONPATH=. python3 benchmarks/bench_prefill.py [--reps 20] [--cases 0,2] [--quick] [--out bench_out]
+
+Cases (bf16, MHA, ``block_size`` 16, every sequence's whole length as its query rows): B4 L4096 H32 d128 and B8 L2048
+H16 d64, causal and full, and B1 L16384 H32 d128 causal.
+
+Rows
+    ``ours``            no bias, from the paged cache.
+    ``ours+t5``         T5's bias computed in the kernel (``RelativePositionBias``, scale 1).
+    ``ours+dense``      a dense bf16 bias ``[B, H, L, L]`` (left out where it would pass ``--max-bias-gb``).
+    ``ours mma.sync``, ``ours mma.sync+t5``   the same on the mma.sync tiling, what GPUs other than the H100 / H200
+                        run (rows only on those two, where the Hopper tiling is the default).
+    ``sdpa-cudnn``, ``sdpa-flash``   ``scaled_dot_product_attention`` with its cuDNN / flash backend, no bias.
+    ``sdpa+t5``, ``sdpa+dense``      SDPA given the same bias as a float mask (T5's materialised, the causal mask
+                        folded in as -inf), backend left to SDPA (cuDNN or the memory-efficient kernel); left out
+                        where the mask would pass ``--max-bias-gb``.
+    ``flex+t5``         ``torch.compile``d FlexAttention with T5 as ``score_mod`` (and a causal block mask).
+The peers read K and V contiguous (``[B, H, L, d]``, gathered once, untimed): the layout they take natively.
+
+Times are CUDA-event medians over ``--reps`` of the mean of 5 back-to-back calls queued behind an untimed one (so a
+call's host time overlaps the previous call's kernels). TFLOP/s count 4·B·H·d per (query, key) pair the mask keeps,
+about half of them when causal. Every row's output is checked against ``ours`` with the same bias (ours against
+SDPA's cuDNN result). ``--quick``: our rows only. ``--out DIR`` writes ``DIR/prefill.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import sys
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-PEAK_TFLOPS = 790.0  # measured bf16 dense matmul on this H200 (device notes), the matrix peak we compare against
-CASES = [(8, 2048, 16, 64), (4, 4096, 32, 128)]  # (B, q_len = kv_len, H, d); MHA, bf16, block 16
+CASES = [(4, 4096, 32, 128, True), (4, 4096, 32, 128, False), (8, 2048, 16, 64, True), (8, 2048, 16, 64, False),
+         (1, 16384, 32, 128, True)]  # (B, L, H, d, causal)
 BLOCK = 16
+TOLERANCE = 0.05  # max |a - b| between two bf16 attentions of unit-variance data
 
 
-def timed(fn, reps: int, warmup: int = 3, inner: int = 5) -> float:
-    """Median over ``reps`` of the mean time of ``inner`` back-to-back calls (ms): the calls queue up on the stream
-    behind one untimed call, so a call's host time overlaps the previous one's kernels instead of being counted
-    (one call per event pair would count ours' ~0.3 ms of Python and checks as GPU time; without the untimed call,
-    the first timed call's host time was counted: +0.06 ms per call at B8 L2048 d64)."""
+def case_name(b: int, length: int, h: int, d: int, causal: bool) -> str:
+    return f"B{b} L{length} H{h} d{d} {'causal' if causal else 'full'}"
+
+
+def timed(fn: Callable[[], Any], reps: int, warmup: int = 3, inner: int = 5) -> float:
+    """Median over ``reps`` of the mean time of ``inner`` back-to-back calls (ms), queued behind one untimed call."""
     import torch
 
     for _ in range(warmup):
@@ -50,152 +69,225 @@ def timed(fn, reps: int, warmup: int = 3, inner: int = 5) -> float:
     return statistics.median(times)
 
 
-def build(b: int, length: int, h: int, d: int, seed: int = 0):
+def build(b: int, length: int, h: int, d: int, seed: int = 0) -> dict[str, Any]:
+    """Paged caches (pages scattered at random), packed queries, a T5 table and the contiguous K/V of the peers."""
     import torch
 
     torch.manual_seed(seed)
     dev = "cuda"
     pages = length // BLOCK
     num_blocks = b * pages + 7
-    perm = torch.randperm(num_blocks, device=dev)[: b * pages].to(torch.int32)
-    tables = perm.view(b, pages).contiguous()
+    tables = torch.randperm(num_blocks, device=dev)[: b * pages].to(torch.int32).view(b, pages).contiguous()
     k_cache = torch.randn(num_blocks, BLOCK, h, d, device=dev, dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
     query = torch.randn(b * length, h, d, device=dev, dtype=torch.bfloat16)
-    seq_lens = torch.full((b,), length, device=dev, dtype=torch.int32)
-    starts = torch.arange(0, b * length + 1, length, device=dev, dtype=torch.int32)
-    table = torch.randn(32, h, device=dev, dtype=torch.bfloat16)
-    return query, k_cache, v_cache, tables, seq_lens, starts, table
+    return {
+        "query": query, "key_cache": k_cache, "value_cache": v_cache, "block_tables": tables,
+        "seq_lens": torch.full((b,), length, device=dev, dtype=torch.int32),
+        "starts": torch.arange(0, b * length + 1, length, device=dev, dtype=torch.int32),
+        "table": torch.randn(32, h, device=dev, dtype=torch.bfloat16),
+        "q": query.view(b, length, h, d).transpose(1, 2),
+        "k": k_cache[tables.long()].reshape(b, length, h, d).transpose(1, 2).contiguous(),
+        "v": v_cache[tables.long()].reshape(b, length, h, d).transpose(1, 2).contiguous(),
+    }
 
 
-def gather(k_cache, v_cache, tables, b, length, h, d):
-    k = k_cache[tables.long()].reshape(b, length, h, d).transpose(1, 2)
-    v = v_cache[tables.long()].reshape(b, length, h, d).transpose(1, 2)
-    return k, v
-
-
-def t5_bucket_by_rel(length: int, bidirectional: bool):
+def t5_buckets(length: int, bidirectional: bool) -> Any:
+    """Bucket of each relative position ``rel + length - 1`` (transformers' formula, through ours)."""
     import torch
 
     import cupy_paged_attn as cpa
 
     rel = np.arange(-(length - 1), length)
     buckets = cpa.t5_relative_position_bucket(rel, bidirectional=bidirectional, num_buckets=32, max_distance=128)
-    return torch.as_tensor(np.asarray(buckets), device="cuda")  # index: rel + length - 1
+    return torch.as_tensor(np.asarray(buckets), device="cuda")
 
 
-def bench_case(data, b: int, length: int, h: int, d: int, causal: bool, reps: int, quick: bool) -> dict:
-    """Time ours and the peers on one case; a peer that fails is reported and left out."""
+def run_case(index: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Every row of one case: ``{"case", "flops", "rows": {row: ms or None}, "errors": {row: message}}``."""
     import torch
 
     import cupy_paged_attn as cpa
-    from cupy_paged_attn import prefill
-    from cupy_paged_attn.prefill import paged_prefill_attention
 
-    query, k_cache, v_cache, tables, seq_lens, starts, table = data
-    scale = 1.0  # T5
-    name = f"B{b} L{length} H{h} d{d} {'causal' if causal else 'full'}"
-    t5 = cpa.RelativePositionBias(table, num_buckets=32, max_distance=128, bidirectional=not causal)
+    b, length, h, d, causal = CASES[index]
+    name = case_name(b, length, h, d, causal)
+    data = build(b, length, h, d)
+    q, k, v = data["q"], data["k"], data["v"]
     pairs = b * length * (length + 1) // 2 if causal else b * length * length
-    flops = 4.0 * pairs * h * d
-    out = torch.empty_like(query)
+    result: dict[str, Any] = {"case": name, "flops": 4.0 * pairs * h * d, "rows": {}, "errors": {}, "diffs": {}}
+    out = torch.empty_like(data["query"])
+    t5 = cpa.RelativePositionBias(data["table"], num_buckets=32, max_distance=128, bidirectional=not causal)
+    bias_gb = b * h * length * length * 2 / 1e9
+    dense = torch.randn(b, h, length, length, device="cuda", dtype=torch.bfloat16) if bias_gb <= args.max_bias_gb \
+        else None
 
-    def ours(bias=t5, causal=causal, out=out):
-        paged_prefill_attention(query, k_cache, v_cache, tables, seq_lens, starts, causal=causal,
-                                scale=scale, attn_bias=bias, out=out)
+    def ours(bias: Any = None) -> Callable[[], Any]:
+        def call() -> Any:
+            return cpa.paged_prefill_attention(data["query"], data["key_cache"], data["value_cache"],
+                                               data["block_tables"], data["seq_lens"], data["starts"],
+                                               causal=causal, scale=1.0 if bias is t5 else None, attn_bias=bias,
+                                               out=out)
+        return call
 
-    row = {"case": name, "flops": flops}
-    row["ours"] = timed(ours, reps)
-    row["ours_plain"] = timed(lambda: ours(bias=None), reps)
-    print(f"{name}: ours {row['ours']:.3f} ms, without bias {row['ours_plain']:.3f} ms", flush=True)
-    if prefill._runs_sm90a(torch.cuda.current_device()):  # the mma.sync tiling, which other GPUs run
-        prefill.WGMMA = False
+    def row(label: str, fn: Callable[[], Any], reference: Any = None) -> None:
         try:
-            row["ours_sync"] = timed(ours, reps)
-        finally:
-            prefill.WGMMA = True
-        print(f"{name}: ours on the mma.sync tiling {row['ours_sync']:.3f} ms", flush=True)
-    buckets = t5_bucket_by_rel(length, bidirectional=not causal)
-    if not quick:
-        try:
-            rel = torch.arange(length, device="cuda")[None, :] - torch.arange(length, device="cuda")[:, None]
-            bias = table.t()[:, buckets[rel + length - 1]].to(torch.bfloat16)  # [H, L, L]
-            if causal:
-                bias = bias.masked_fill(rel[None] > 0, float("-inf"))
-            bias = bias[None].expand(b, h, length, length)
+            got = fn().clone()
+            if reference is not None:
+                result["diffs"][label] = float((got.float() - reference.float()).abs().max())
+            result["rows"][label] = timed(fn, args.reps)
+        except Exception as exc:  # a peer failing (memory, backend, compile) is reported and left out
+            result["rows"][label] = None
+            result["errors"][label] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            traceback.print_exc(limit=2, file=sys.stderr)
+        ms = result["rows"][label]
+        print(f"{name}: {label} " + (f"{ms:.3f} ms" if ms is not None else f"failed ({result['errors'][label]})"),
+              file=sys.stderr, flush=True)
 
-            def sdpa(bias=bias):
-                k, v = gather(k_cache, v_cache, tables, b, length, h, d)
-                q = query.view(b, length, h, d).transpose(1, 2)
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    reference = {"none": ours()().clone(), "t5": ours(t5)().clone()}
+    row("ours", ours())
+    row("ours+t5", ours(t5))
+    if dense is not None:
+        reference["dense"] = ours(dense)().clone()
+        row("ours+dense", ours(dense))
+    if cpa.planning.plan_prefill(_shape(data, causal), _device()).spec.wgmma:
+        with cpa.tuning.override(wgmma=False):
+            row("ours mma.sync", ours(), reference["none"])
+            row("ours mma.sync+t5", ours(t5), reference["t5"])
+    # The A/B lines (benchmarks/ab.py reads them): T5, no bias, T5 on the mma.sync tiling.
+    print(f"{name}: ours {result['rows']['ours+t5']:.3f} ms, without bias {result['rows']['ours']:.3f} ms", flush=True)
+    if "ours mma.sync+t5" in result["rows"]:
+        print(f"{name}: ours on the mma.sync tiling {result['rows']['ours mma.sync+t5']:.3f} ms", flush=True)
+    if args.quick:
+        return result
 
-            ref = sdpa().transpose(1, 2).reshape(b * length, h, d)
-            ours()
-            torch.cuda.synchronize()
-            row["maxdiff"] = float((ref.float() - out.float()).abs().max())
-            row["sdpa"] = timed(sdpa, reps)
-            print(f"{name}: sdpa {row['sdpa']:.3f} ms, max |ours - sdpa| = {row['maxdiff']:.4f}", flush=True)
-            del bias, ref
-        except Exception:  # a peer failing (memory, backend) is reported and skipped
-            traceback.print_exc(limit=2)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(mask: Any = None, backend: Any = None, scale: float | None = None) -> Callable[[], Any]:
+        def call() -> Any:
+            attend = torch.nn.functional.scaled_dot_product_attention
+            if backend is None:
+                return attend(q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale)
+            with sdpa_kernel(backend):
+                return attend(q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale)
+        return lambda: call().transpose(1, 2).reshape(b * length, h, d)
+
+    row("sdpa-cudnn", sdpa(backend=SDPBackend.CUDNN_ATTENTION), reference["none"])
+    row("sdpa-flash", sdpa(backend=SDPBackend.FLASH_ATTENTION), reference["none"])
+    buckets = t5_buckets(length, bidirectional=not causal)
+    rel = torch.arange(length, device="cuda")[None, :] - torch.arange(length, device="cuda")[:, None]
+    causal_mask = rel[None, None] > 0
+    if h * length * length * 2 / 1e9 <= args.max_bias_gb:  # T5's bias materialised, [H, L, L] (broadcast over B)
+        t5_mask = data["table"].t()[:, buckets[rel + length - 1]][None].expand(b, h, length, length)
+        if causal:
+            t5_mask = t5_mask.masked_fill(causal_mask, float("-inf"))
+        row("sdpa+t5", sdpa(t5_mask, scale=1.0), reference["t5"])
+        del t5_mask
         torch.cuda.empty_cache()
-        try:
-            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    if dense is not None:
+        dense_mask = dense.masked_fill(causal_mask, float("-inf")) if causal else dense
+        row("sdpa+dense", sdpa(dense_mask), reference["dense"])
+        del dense_mask
+        torch.cuda.empty_cache()
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-            flex = torch.compile(flex_attention, dynamic=False)
-            table_t = table.t().contiguous()
+        flex = torch.compile(flex_attention, dynamic=False)
+        table_t = data["table"].t().contiguous()
 
-            def score_mod(score, bb, hh, qi, kj, table_t=table_t, buckets=buckets):
-                return score + table_t[hh, buckets[kj - qi + length - 1]].to(score.dtype)
+        def score_mod(score: Any, bb: Any, hh: Any, qi: Any, kj: Any) -> Any:
+            return score + table_t[hh, buckets[kj - qi + length - 1]].to(score.dtype)
 
-            mask = None
-            if causal:
-                mask = create_block_mask(lambda bb, hh, qi, kj: qi >= kj, None, None, length, length)
-
-            def flex_run(mask=mask, score_mod=score_mod):
-                k, v = gather(k_cache, v_cache, tables, b, length, h, d)
-                q = query.view(b, length, h, d).transpose(1, 2)
-                return flex(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale)
-
-            row["flex"] = timed(flex_run, reps)
-            print(f"{name}: flex {row['flex']:.3f} ms", flush=True)
-        except Exception:
-            traceback.print_exc(limit=2)
-    return row
+        mask = create_block_mask(lambda bb, hh, qi, kj: qi >= kj, None, None, length, length) if causal else None
+        row("flex+t5", lambda: flex(q, k, v, score_mod=score_mod, block_mask=mask, scale=1.0).transpose(1, 2)
+            .reshape(b * length, h, d), reference["t5"])
+    except Exception as exc:
+        result["rows"]["flex+t5"], result["errors"]["flex+t5"] = None, f"{type(exc).__name__}: {exc}"[:160]
+    return result
 
 
+def _shape(data: dict[str, Any], causal: bool) -> Any:
+    from cupy_paged_attn import planning
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--quick", action="store_true", help="ours only, no peers")
-    args = parser.parse_args()
+    b, h, length, d = data["k"].shape
+    return planning.PrefillShape(num_seqs=b, num_heads=h, num_kv_heads=h, head_size=d, max_len=length,
+                                 dtype="bf16", total_q=b * length)
 
+
+def _device() -> Any:
     import torch
 
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    rows = []
-    for b, length, h, d in CASES:
-        data = build(b, length, h, d)
-        for causal in (False, True):
-            rows.append(bench_case(data, b, length, h, d, causal, args.reps, args.quick))
-            torch.cuda.empty_cache()
+    from cupy_paged_attn import _device as device
 
-    print()
-    print(f"| case (bf16, T5 bias) | ours ms | ours TFLOP/s | % of {PEAK_TFLOPS:.0f} | ours w/o bias ms "
-          "| ours mma.sync ms | SDPA+bias ms | FlexAttn ms | vs SDPA | vs Flex |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        tf = r["flops"] / (r["ours"] * 1e-3) / 1e12
-        sd = f"{r['sdpa']:.3f}" if "sdpa" in r else "failed/skipped"
-        fx = f"{r['flex']:.3f}" if "flex" in r else "failed/skipped"
-        vs_sd = f"{r['sdpa'] / r['ours']:.2f}x" if "sdpa" in r else "-"
-        vs_fx = f"{r['flex'] / r['ours']:.2f}x" if "flex" in r else "-"
-        sync = f"{r['ours_sync']:.3f}" if "ours_sync" in r else "-"
-        print(f"| {r['case']} | {r['ours']:.3f} | {tf:.0f} | {100 * tf / PEAK_TFLOPS:.1f} % | {r['ours_plain']:.3f} "
-              f"| {sync} | {sd} | {fx} | {vs_sd} | {vs_fx} |")
-    sys.stdout.flush()
+    return device.query(torch.cuda.current_device())
+
+
+ROWS = ["ours", "ours+t5", "ours+dense", "ours mma.sync", "ours mma.sync+t5", "sdpa-cudnn", "sdpa-flash", "sdpa+t5",
+        "sdpa+dense", "flex+t5"]
+#: Each peer row's counterpart among ours (the same bias): the speed-up column.
+VERSUS = {"sdpa-cudnn": "ours", "sdpa-flash": "ours", "sdpa+t5": "ours+t5", "sdpa+dense": "ours+dense",
+          "flex+t5": "ours+t5", "ours mma.sync": "ours", "ours mma.sync+t5": "ours+t5"}
+
+
+def report(results: list[dict[str, Any]]) -> str:
+    """The results as a markdown table: ms (TFLOP/s), and for each other row ours' speed-up over it."""
+    lines = ["| case (bf16) | " + " | ".join(r for r in ROWS) + " |", "| --- " * (len(ROWS) + 1) + "|"]
+    for res in results:
+        cells = []
+        for label in ROWS:
+            ms = res["rows"].get(label)
+            if label not in res["rows"]:
+                cells.append("—")
+                continue
+            if ms is None:
+                cells.append("failed")
+                continue
+            text = f"{ms:.3f} ({res['flops'] / (ms * 1e-3) / 1e12:.0f})"
+            ours = res["rows"].get(VERSUS.get(label, ""))
+            if ours:
+                text += f" {ms / ours:.2f}x"
+            diff = res["diffs"].get(label)
+            if diff is not None and diff > TOLERANCE:
+                text += f" MISMATCH {diff:.3f}"
+            cells.append(text)
+        lines.append(f"| {res['case']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--cases", default=",".join(map(str, range(len(CASES)))),
+                        help="comma-separated indices: " + "; ".join(f"{i} {case_name(*c)}"
+                                                                      for i, c in enumerate(CASES)))
+    parser.add_argument("--quick", action="store_true", help="our rows only, no peers")
+    parser.add_argument("--max-bias-gb", type=float, default=8.0, help="largest dense bias to build (default 8 GB)")
+    parser.add_argument("--out", metavar="DIR", help="write DIR/prefill.json")
+    args = parser.parse_args(argv)
+    try:
+        indices = [int(i) for i in args.cases.split(",") if i]
+        if any(not 0 <= i < len(CASES) for i in indices):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--cases: expected indices from 0 to {len(CASES) - 1}, got {args.cases!r}")
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_prefill: no CUDA device; this benchmark needs a GPU", file=sys.stderr)
+        return 2
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    results = []
+    for index in indices:
+        results.append(run_case(index, args))
+        torch.cuda.empty_cache()
+    table = report(results)
+    print("\nms (TFLOP/s); x = that row's time over ours with the same bias\n" + table)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "prefill.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "reps": args.reps,
+                       "results": results, "table": table}, f, indent=2)
+    return 1 if any("ours" in label and ms is None for r in results for label, ms in r["rows"].items()) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Compile and load times of kernel specialisations, each measured in fresh processes (issue 4: a first compile
+"""Compile and load times of kernel specialisations, each measured in fresh processes (targets: a first compile
 within 5 s; import plus a cached load within 100 ms).
 
 For each specialisation, with a new, empty CuPy kernel cache (``CUPY_CACHE_DIR``):
@@ -12,8 +12,8 @@ framework's (a caller with CuPy, PyTorch or JAX arrays has NumPy loaded already)
 import and the context creation (CuPy's first allocation) are shown apart.
 
 The children import the library as an installed wheel does, from bytecode: pip compiles a wheel's modules at install
-time, but a source checkout run with ``PYTHONDONTWRITEBYTECODE`` set (as on the GPU machines lent here) compiles
-every module again in every process, about 30-40 ms. So the children write and read their bytecode in a temporary
+time, but a source checkout run with ``PYTHONDONTWRITEBYTECODE`` set compiles every module again in every process,
+about 30-40 ms. So the children write and read their bytecode in a temporary
 ``PYTHONPYCACHEPREFIX`` (the cold child writes it); the column "no bytecode" is a third child's import with
 ``PYTHONDONTWRITEBYTECODE`` set and no bytecode, for comparison.
 
@@ -32,34 +32,28 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 #: The specialisations timed: one of each kernel family and tiling, at head size 128.
-SPECS = ("decode-fp32", "decode-tensor-cores", "prefill", "prefill-hopper", "prefill-fp32", "cache-write")
+SPECS = ("decode-simt", "decode-mma", "prefill-mma", "prefill-wgmma", "prefill-simt", "cache-write")
 
 
-def spec_of(name: str) -> tuple[Any, str, Callable[[int], Any]]:
-    """``(spec, source file, fetch)`` of a named specialisation; ``fetch(device)`` compiles or loads it."""
-    from cupy_paged_attn import _compile
+def spec_of(name: str) -> Any:
+    """The named specialisation (``cupy_paged_attn._specs``)."""
+    from cupy_paged_attn import _specs
 
-    if name == "decode-fp32":
-        spec = _compile.DecodeSpec("bf16", 128, "nhd", 1, "dense")
-        return spec, "paged_decode.cu", lambda dev: _compile.get_decode_kernels(spec, dev, spec.smem_bytes)
-    if name == "decode-tensor-cores":
-        spec = _compile.PrefillSpec("bf16", 128, "nhd", "dense", _compile.DECODE_ROWS[0])
-    elif name == "prefill":
-        spec = _compile.PrefillSpec("bf16", 128, "nhd", "t5")
-    elif name == "prefill-hopper":  # (sm_90a: an H100 / H200; offline, it compiles for sm_90a whatever ARCH says)
-        spec = _compile.PrefillSpec("bf16", 128, "nhd", "t5", wgmma=True)
-    elif name == "prefill-fp32":
-        spec = _compile.PrefillSpec("f32", 128, "nhd", "none")
-    elif name == "cache-write":
-        spec = _compile.CacheWriteSpec("bf16", "nhd", "i32")
-        return spec, "cache_write.cu", lambda dev: _compile.get_cache_write_kernel(spec, dev)
-    else:
+    specs = {
+        "decode-simt": _specs.DecodeSimtSpec("bf16", 128, "nhd", 1, "dense"),
+        "decode-mma": _specs.DecodeMmaSpec("bf16", 128, "nhd", "dense-rows", 8),
+        "prefill-mma": _specs.PrefillSpec("bf16", 128, "nhd", "t5"),
+        "prefill-wgmma": _specs.PrefillSpec("bf16", 128, "nhd", "t5", wgmma=True),  # sm_90a: an H100 / H200
+        "prefill-simt": _specs.PrefillSpec("f32", 128, "nhd", "none"),
+        "cache-write": _specs.CacheWriteSpec("bf16", "nhd", "i32"),
+    }
+    if name not in specs:
         raise ValueError(f"spec: expected one of {', '.join(SPECS)}, got {name!r}")
-    return spec, "paged_prefill.cu", lambda dev: _compile.get_prefill_kernels(spec, dev)
+    return specs[name]
 
 
 def child(name: str, device: int) -> dict[str, float | str]:
@@ -75,8 +69,10 @@ def child(name: str, device: int) -> dict[str, float | str]:
     cupy.empty(1, dtype=cupy.float32)  # creates the context
     cupy.cuda.Device(device).synchronize()
     t2 = time.perf_counter()
-    spec, _, fetch = spec_of(name)
-    fetch(device)
+    from cupy_paged_attn import _compile
+
+    spec = spec_of(name)
+    _compile.kernels(spec, device)
     t3 = time.perf_counter()
     return {"key": spec.key, "framework": t0 - start, "import": t1 - t0, "context": t2 - t1, "fetch": t3 - t2}
 
@@ -104,10 +100,9 @@ def offline(names: Sequence[str], arch: str) -> None:
 
     print(f"NVRTC compile for {arch}, in this process (no GPU):")
     for name in names:
-        spec, filename, _ = spec_of(name)
+        spec = spec_of(name)
         start = time.perf_counter()
-        target = spec.offline_arch(arch) if isinstance(spec, _compile.PrefillSpec) else arch
-        _compile.compile_offline(filename, list(spec.name_expressions()), target or "sm_90a")
+        _compile.compile_offline(spec.source, list(spec.name_expressions()), spec.offline_arch(arch) or "sm_90a")
         print(f"{name:20s} {spec.key:45s} {time.perf_counter() - start:6.2f} s")
 
 

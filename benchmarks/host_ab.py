@@ -1,6 +1,6 @@
 """Host time per call of two source trees of the library, loaded into one process and timed in interleaved rounds.
 
-Host timings of separate processes differ by up to ~50 % on the machines lent here (the same code took 17 µs in one
+Host timings of separate processes differ by up to ~50 % on the same machine (the same code took 17 µs in one
 process and 25 µs in the next); one process that imports both trees and alternates between them compares like with
 like. Each round times every call of both trees (``DecodePlan.run`` without a bias and with a dense one,
 ``paged_attention`` with a dense one, all with ``out=``; both with a dense bias and the result allocated) in the

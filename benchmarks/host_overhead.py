@@ -88,7 +88,7 @@ def main() -> None:
         "plan.run, T5 bias, out=": (plan_t5.run, {"attn_bias": t5, "out": out}),
     }
     print(f"B{batch} H{heads}/{kv_heads} d{head_size} L{length}, bf16: "
-          f"{'tensor cores' if plan.launch.tensor_cores else 'FP32 kernel'}, {plan.launch.num_parts} partitions")
+          f"{'tensor cores' if plan.launch.tensor_cores else 'SIMT kernel'}, {plan.launch.num_parts} partitions")
     for label, (call, kwargs) in variants.items():
         if args.rows and args.rows not in label:
             continue

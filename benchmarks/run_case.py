@@ -5,13 +5,14 @@ events). ``--prefill`` runs paged_prefill_attention with every sequence's whole 
 Run on a GPU machine, e.g.::
 
     PYTHONPATH=. python3 benchmarks/run_case.py --batch 32 --heads 32/8 --head-size 128 --length 8192 --bias dense
-    ncu --clock-control none -k regex:paged_decode -c 1 --section SpeedOfLight --section WarpStateStats \\
+    ncu --clock-control none -k regex:decode_ -c 1 --section SpeedOfLight --section WarpStateStats \\
         python3 benchmarks/run_case.py ...
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 
 def main() -> None:
@@ -28,22 +29,19 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true", help="q_len = length for every sequence")
     parser.add_argument("--causal", action="store_true", help="prefill: mask keys after each query")
     parser.add_argument("--q-len", type=int, default=0, help="prefill: query rows per sequence (default: length)")
-    parser.add_argument("--kernel", default="auto", choices=["auto", "tensor-cores", "fp32-loop"],
-                        help="decode: force the tensor-core kernel (16-bit, head size <= 128) or the FP32 loop")
-    parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
-                        help="compile the kernels with -DNAME=VALUE (tuning experiments)")
+    parser.add_argument("--kernel", default="auto", choices=["auto", "tensor-cores", "simt"],
+                        help="decode: force the tensor-core kernel (16-bit, head size <= 128) or the SIMT one")
     args = parser.parse_args()
-
-    from cupy_paged_attn import _compile, decode
-
-    _compile._COMPILE_OPTIONS = (*_compile._COMPILE_OPTIONS, *(f"-D{d}" for d in args.define))
-    if args.kernel != "auto":
-        for name, value in decode.forced_kernel_switches(args.kernel).items():
-            setattr(decode, name, value)
 
     import torch
 
     import cupy_paged_attn as cpa
+
+    with cpa.tuning.override(decode_kernel=args.kernel):
+        run(args, torch, cpa)
+
+
+def run(args: argparse.Namespace, torch: Any, cpa: Any) -> None:
 
     hq, hkv = map(int, args.heads.split("/"))
     dtype = getattr(torch, args.dtype)
@@ -96,13 +94,12 @@ def main() -> None:
         pairs = b * q_len * (n - (q_len - 1) / 2) if args.causal else b * q_len * n
         nbytes = 2 * b * n * hkv * d * q.element_size()
         print(f"prefill B{b} H{hq}/{hkv} d{d} L{n} q_len {q_len} {'causal' if args.causal else 'full'} "
-              f"bias={args.bias} {args.layout} {' '.join(args.define)}: {us:.1f} us/call, "
+              f"bias={args.bias} {args.layout}: {us:.1f} us/call, "
               f"{4 * pairs * hq * d / us / 1e6:.0f} TFLOP/s, {nbytes / us / 1e3:.0f} GB/s (K+V bytes)")
         return
     bias_bytes = b * hq * n * q.element_size() if args.bias in ("dense", "ragged") else 0
     nbytes = 2 * b * n * hkv * d * q.element_size() + bias_bytes
-    print(f"B{b} H{hq}/{hkv} d{d} L{n} bias={args.bias} {args.layout} kernel={args.kernel} {' '.join(args.define)}: "
-          f"{us:.1f} us/call, "
+    print(f"B{b} H{hq}/{hkv} d{d} L{n} bias={args.bias} {args.layout} kernel={args.kernel}: {us:.1f} us/call, "
           f"{nbytes / us / 1e3:.0f} GB/s (K+V+bias bytes)")
 
 

@@ -5,7 +5,7 @@ Takes PyTorch, JAX and CuPy CUDA arrays (through DLPack) and NumPy arrays (on th
 reference), and answers in the caller's own type.
 """
 
-from . import reference
+from . import planning, reference, tuning
 from .bias import (
     RaggedBias,
     RelativePositionBias,
@@ -25,10 +25,12 @@ __all__ = [
     "alibi_slopes",
     "paged_attention",
     "paged_prefill_attention",
+    "planning",
     "reference",
     "reshape_and_cache",
     "t5_bucket_table",
     "t5_position_bias",
     "t5_relative_position_bucket",
+    "tuning",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

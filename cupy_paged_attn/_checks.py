@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from . import _compile, _interop
+from . import _interop, _specs, planning
 from .bias import RaggedBias, RelativePositionBias
 
 #: Query / cache dtypes by short name.
@@ -23,7 +23,7 @@ DTYPES = {
     np.dtype(np.float16): "f16",
     np.dtype(ml_dtypes.bfloat16): "bf16",
 }
-KV_LAYOUTS = _compile.KV_LAYOUTS
+KV_LAYOUTS = _specs.KV_LAYOUTS
 
 
 def dtype_name(name: str, arr: Any) -> str:
@@ -66,9 +66,9 @@ def check_layout_option(kv_layout: Any) -> str:
 
 
 def check_head_size(name: str, head_size: int) -> None:
-    if head_size not in _compile.HEAD_SIZES:
+    if head_size not in _specs.HEAD_SIZES:
         raise NotImplementedError(
-            f"{name}: head_size {head_size} is not supported; supported: {', '.join(map(str, _compile.HEAD_SIZES))}"
+            f"{name}: head_size {head_size} is not supported; supported: {', '.join(map(str, _specs.HEAD_SIZES))}"
         )
 
 
@@ -119,10 +119,10 @@ def check_caches(key_cache: Any, value_cache: Any, kv_layout: str, dtype: Any, h
     if 0 in key_cache.shape[1:]:
         raise ValueError(f"key_cache: expected block_size, num_kv_heads and head_size >= 1, got shape "
                          f"{tuple(key_cache.shape)}")
-    if block_size not in _compile.BLOCK_SIZES:
+    if block_size not in _specs.BLOCK_SIZES:
         raise NotImplementedError(
             f"key_cache: block_size {block_size} is not supported; supported: powers of two up to "
-            f"{_compile.BLOCK_SIZES[-1]}"
+            f"{_specs.BLOCK_SIZES[-1]}"
         )
     page = math.prod(key_cache.shape[1:])
     if page >= 2**31:  # the kernels address within a page in 32 bits
@@ -208,14 +208,17 @@ class CheckedBias:
     length: int | None = None  # dense: L, the most keys it covers
     source: Any = None  # the RelativePositionBias (geometry for the reference), else None
 
-    def kernel_args(self) -> tuple[Any, ...]:
-        """The kernels' BiasArgs parameters: (ptr, index, stride0..3, dtype code, n, m)."""
-        null = np.uint64(0)
-        ptr = null if self.array is None else _interop.kernel_arg(self.array)
-        index = null if self.index is None else _interop.kernel_arg(self.index)
-        code = BIAS_DTYPE_CODES[self.dtype] if self.dtype is not None else 0
-        return (ptr, index, *(np.int64(x) for x in self.strides), np.int32(code), np.int32(self.n),
-                np.int32(self.m))
+    @property
+    def dtype_code(self) -> int:
+        """The kernels' BiasDtype of the elements (bias.cuh)."""
+        return BIAS_DTYPE_CODES[self.dtype] if self.dtype is not None else 0
+
+
+def host_bias(bias: CheckedBias, attn_bias: Any) -> CheckedBias:
+    """``bias`` with its index array (a RaggedBias's offsets, a RelativePositionBias's buckets) copied to the host
+    from the caller's ``attn_bias``, for the checks of device data (``validate=True``)."""
+    index = {"ragged": "offsets", "t5": "buckets"}.get(bias.mode)
+    return bias if index is None else replace(bias, index=_interop.to_numpy(getattr(attn_bias, index)))
 
 
 def check_key_stride(name: str, arr: Any, stride: int) -> None:
@@ -306,6 +309,17 @@ class DecodeProblem:
     @property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def shape(self) -> planning.DecodeShape:
+        """What planning reads of the problem."""
+        return planning.DecodeShape(**self._shape_fields())
+
+    def _shape_fields(self) -> dict[str, Any]:
+        b = self.bias
+        return dict(num_seqs=self.num_seqs, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                    head_size=self.head_size, max_len=self.max_len, dtype=self.dtype, kv_layout=self.kv_layout,
+                    bias=b.mode, bias_dtype=b.dtype or "f32", bias_strides=b.strides, t5_max_distance=b.n)
 
 
 def check_scale(scale: Any, head_size: int) -> float:
@@ -516,6 +530,11 @@ class PrefillProblem(DecodeProblem):
     total_q: int  # query rows of all sequences together
     q_limit: int  # most query rows a sequence can have in a dense bias (its max_q_len), else NO_ROW_LIMIT
     causal: bool
+
+    @property
+    def shape(self) -> planning.PrefillShape:
+        """What planning reads of the problem."""
+        return planning.PrefillShape(**self._shape_fields(), total_q=self.total_q)
 
 
 def check_prefill(

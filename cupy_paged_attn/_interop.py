@@ -224,6 +224,18 @@ def _identity(x: Any) -> Any:
     return x
 
 
+def to_numpy(x: Any) -> Any:
+    """A host NumPy copy of a NumPy, CuPy, PyTorch or JAX array (bfloat16 kept, through ml_dtypes); None stays None."""
+    if x is None or isinstance(x, np.ndarray):
+        return x
+    module = type(x).__module__.split(".")[0]
+    if module == "cupy":
+        return x.get()
+    if module == "torch":
+        return to_array_module("x", x.detach().cpu())[0]
+    return np.asarray(x)
+
+
 def torch_from_numpy(arr: np.ndarray) -> Any:
     """A CPU tensor over a NumPy array (over a contiguous copy if it is not contiguous); bfloat16 through its bits."""
     import torch

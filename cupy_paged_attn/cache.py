@@ -7,12 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _checks, _compile, _interop, reference
+from . import _checks, _compile, _interop, _launch, _specs, reference
 
 __all__ = ["reshape_and_cache"]
-
-_THREADS = 128  # kCacheThreads in cache_write.cu
-
 
 def _vector_ready(arr: Any) -> Any:
     """``arr`` if the kernel can read it in 16-byte vectors (unit last stride, aligned rows), else a copy."""
@@ -90,22 +87,22 @@ def reshape_and_cache(
             k_cache, v_cache = k_cache.copy(), v_cache.copy()
         if problem.num_tokens:
             slot_dtype = "i64" if np.dtype(problem.slot_mapping.dtype) == np.int64 else "i32"
-            spec = _compile.CacheWriteSpec(problem.dtype, problem.kv_layout, slot_dtype)
-            kernel = _compile.get_cache_write_kernel(spec, device)
+            spec = _specs.CacheWriteSpec(problem.dtype, problem.kv_layout, slot_dtype)
+            (kernel,) = _compile.kernels(spec, device)
             k, v = _vector_ready(problem.key), _vector_ready(problem.value)
             slots = _interop.unit_last_stride(problem.slot_mapping)
             ks, vs = _checks.element_strides(k), _checks.element_strides(v)
             ptr, i64, i32 = _interop.kernel_arg, np.int64, np.int32
-            kernel(
-                (problem.num_tokens,), (_THREADS,),
-                (
-                    ptr(k), i64(ks[0]), i64(ks[1]), ptr(v), i64(vs[0]), i64(vs[1]), ptr(k_cache), ptr(v_cache),
-                    i64(problem.cache.block_stride), ptr(slots),
-                    i32(problem.cache.num_kv_heads), i32(problem.cache.head_size),
-                    i32(problem.cache.block_size), i32(problem.cache.num_blocks),
-                ),
-                stream=stream,
-            )
+            args = _launch.PackedArgs([
+                ("key", ptr(k)), ("key.stride_t", i64(ks[0])), ("key.stride_h", i64(ks[1])), ("value", ptr(v)),
+                ("value.stride_t", i64(vs[0])), ("value.stride_h", i64(vs[1])), ("key_cache", ptr(k_cache)),
+                ("value_cache", ptr(v_cache)), ("block_stride", i64(problem.cache.block_stride)),
+                ("slot_mapping", ptr(slots)), ("num_kv_heads", i32(problem.cache.num_kv_heads)),
+                ("head_size", i32(problem.cache.head_size)), ("block_size", i32(problem.cache.block_size)),
+                ("num_blocks", i32(problem.cache.num_blocks)),
+            ])
+            _launch.Launch(_launch.function_of(kernel), (problem.num_tokens, 1, 1), spec.threads, args).launch(
+                stream.ptr)
     if framework == "jax":
         return _interop.finish("jax", k_cache), _interop.finish("jax", v_cache)
     return key_cache, value_cache

@@ -4,128 +4,60 @@ cache, with a bias, on the tensor cores."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import numpy as np
 
-from . import _checks, _compile, _interop, reference
-from .decode import _num_sms, host_bias, split_keys
+from . import _checks, _compile, _device, _interop, _launch, _specs, planning, reference
 
 __all__ = ["paged_prefill_attention"]
 
-#: Run the Hopper tiling of the tensor-core kernel (wgmma; float16 / bfloat16, head sizes 64 and 128, devices of
-#: compute capability 9.0) where it applies. False keeps every call on the mma.sync tiling (A/B runs, tests).
-WGMMA = True
 
-
-@dataclasses.dataclass(frozen=True)
-class PrefillLaunch:
-    """How one prefill problem is launched: kernel specialisation, M tiles and key partitioning."""
-
-    spec: _compile.PrefillSpec
-    rows: int  # packed (query token, query head) rows per CTA, its M tile
-    num_tiles: int  # grid.x: an upper bound of Σ_s ceil(q_len_s · G / rows), from shapes only
-    tokens_per_part: int
-    num_parts: int
-
-
-def plan_prefill(problem: _checks.PrefillProblem, num_sms: int, wgmma: bool = False) -> PrefillLaunch:
-    """Choose the kernel, the number of M tiles and the split, from shapes only (no device data is read).
-
-    Sequence ``s`` needs ``ceil(q_len_s · G / rows)`` tiles of ``rows`` packed (token, head) rows (128 on the tensor
-    cores up to head size 128, else 64); over all sequences that is at most ``ceil(total_q · G / rows) +
-    num_seqs``, the grid's x. The device-side plan kernel maps tiles to sequences; spare tiles exit at once. When
-    the tiles that surely hold rows cannot fill the GPU, the keys are split into partitions (a multiple of the
-    kernel's key tile), combined by the reduction kernel. ``wgmma``: the device runs sm_90a code (the Hopper
-    tiling is then used where it applies: 16-bit dtypes, head sizes 64 and 128, no bias or a T5 bias whose table
-    fits; same rows per CTA).
-    """
+def _launch_prefill(problem: _checks.PrefillProblem, launch: planning.PrefillLaunch, out: Any, tile_info: Any,
+                    workspace: tuple[Any, Any] | None, stream: Any, device: int) -> None:
+    """The plan kernel (tiles to sequences, on the device), the attention kernel and, with several partitions, the
+    combine, on ``stream``."""
     p = problem
-    g = p.group_size
-    wgmma = (wgmma and p.dtype != "f32" and p.head_size in _compile.WGMMA_HEAD_SIZES
-             and p.bias.mode in _compile.WGMMA_BIAS_MODES and (p.bias.mode != "t5" or _t5_table_fits(p)))
-    rows = _compile.prefill_rows_per_cta(p.dtype, p.head_size)
-    full_tiles = -(-p.total_q * g // rows)
-    num_tiles = full_tiles + p.num_seqs
-    tokens_per_part, parts = split_keys(max(1, full_tiles * p.num_kv_heads), p.max_len, num_sms,
-                                        _compile.prefill_tile_keys(p.head_size, wgmma=wgmma))
-    spec = _compile.PrefillSpec(p.dtype, p.head_size, p.kv_layout, p.bias.mode, wgmma=wgmma)
-    return PrefillLaunch(spec, rows, num_tiles, tokens_per_part, parts)
-
-
-def _t5_table_fits(problem: _checks.PrefillProblem) -> bool:
-    """Whether every CTA's T5 table fits in shared memory (paged_prefill.cu, use_rel): G·(2·(max_distance + key
-    tile + span) + 1) floats of at most kRelTableMax, where span bounds the positions of a CTA's rows. The Hopper
-    tiling has no per-logit path for the others (they run on the mma.sync tiling)."""
-    g, n = problem.group_size, problem.bias.n
-    span = (_compile.prefill_rows_per_cta(problem.dtype, problem.head_size) - 1) // g + 1
-    tile = _compile.prefill_tile_keys(problem.head_size, wgmma=True)
-    return n <= _compile.PREFILL_REL_TABLE and g * (2 * (n + tile + span) + 1) <= _compile.PREFILL_REL_TABLE
-
-
-@functools.cache
-def _runs_sm90a(device: int) -> bool:
-    """Whether ``device`` runs sm_90a code (wgmma): compute capability 9.0 exactly (H100, H200)."""
-    import cupy
-
-    return int(cupy.cuda.Device(device).compute_capability) == 90
-
-
-def _launch(problem: _checks.PrefillProblem, launch: PrefillLaunch, out: Any, tile_info: Any,
-            workspace: tuple[Any, Any] | None, stream: Any, device: int) -> None:
-    p = problem
-    kernel, reduce_kernel, plan_kernel = _compile.get_prefill_kernels(launch.spec, device)
-    ptr = _interop.kernel_arg
-    null = np.uint64(0)
-    i64, i32 = np.int64, np.int32
-    q = _interop.unit_last_stride(p.query)
-    q_strides = _checks.element_strides(q)
-    vec = 16 // q.dtype.itemsize
-    q_vec = _interop.data_ptr(q) % 16 == 0 and q_strides[0] % vec == 0 and q_strides[1] % vec == 0
-    tables = _interop.unit_last_stride(p.block_tables)
-    seq_lens = ptr(_interop.unit_last_stride(p.seq_lens))
-    starts = ptr(_interop.unit_last_stride(p.query_start_loc))
-    alibi = null if p.alibi_slopes is None else ptr(_interop.unit_last_stride(p.alibi_slopes))
-    bias = p.bias
-    if bias.index is not None:
-        bias = dataclasses.replace(bias, index=_interop.unit_last_stride(bias.index))
-    out_strides = _checks.element_strides(out)
-    part_acc, part_ml = (ptr(workspace[0]), ptr(workspace[1])) if workspace is not None else (null, null)
-    tiles = ptr(tile_info)
-
-    plan_kernel(
-        (1,), (_compile.PREFILL_PLAN_THREADS,),
-        (starts, i32(p.num_seqs), i32(p.total_q), i32(p.group_size), i32(launch.rows), tiles,
-         i32(launch.num_tiles)),
-        stream=stream,
-    )
-    grid = (launch.num_tiles, p.num_kv_heads, launch.num_parts)
-    kernel(
-        grid, (launch.spec.threads,),
-        (
-            ptr(out), i64(out_strides[0]), i64(out_strides[1]), part_acc, part_ml,
-            ptr(q), i64(q_strides[0]), i64(q_strides[1]), i32(q_vec), starts, i32(p.total_q), tiles,
-            ptr(p.key_cache), ptr(p.value_cache), i64(p.cache.block_stride), i32(p.cache.num_blocks),
-            i32(p.cache.block_size.bit_length() - 1), i32(p.num_kv_heads),
-            ptr(tables), i64(_checks.element_strides(tables)[0]), seq_lens, i32(p.max_len), i32(p.q_limit),
-            *bias.kernel_args(), alibi,
-            np.float32(p.scale), i32(p.group_size), i32(p.causal), i32(launch.tokens_per_part),
-            i32(launch.num_parts), i32(0),  # longest_first: decode only
-        ),
-        stream=stream,
-        shared_mem=launch.spec.smem_bytes,
-    )
+    kernel, combine_kernel, plan_kernel = _compile.kernels(launch.spec, device)
+    # The operands as the kernels read them: those with a strided last dimension as contiguous copies, which live
+    # until the launches are queued (the stream-ordered pool may then reuse them).
+    arrays = {
+        "out": out, "query": _interop.unit_last_stride(p.query), "tile_info": tile_info,
+        "query_start_loc": _interop.unit_last_stride(p.query_start_loc), "key_cache": p.key_cache,
+        "value_cache": p.value_cache, "block_tables": _interop.unit_last_stride(p.block_tables),
+        "seq_lens": _interop.unit_last_stride(p.seq_lens), "bias": p.bias.array,
+        "bias.index": None if p.bias.index is None else _interop.unit_last_stride(p.bias.index),
+        "alibi_slopes": None if p.alibi_slopes is None else _interop.unit_last_stride(p.alibi_slopes),
+        "part_acc": None if workspace is None else workspace[0], "part_ml": None if workspace is None else workspace[1],
+    }
+    pointers = {name: _interop.data_ptr(x) for name, x in arrays.items() if x is not None}
+    q_strides = _checks.element_strides(arrays["query"])
+    vec = 16 // p.query.dtype.itemsize
+    out_strides = _checks.element_strides(out)[:2]
+    attention = _launch.attention_args(
+        p, tiled=True, query_strides=q_strides, table_stride=_checks.element_strides(arrays["block_tables"])[0],
+        tokens_per_part=launch.tokens_per_part, num_parts=launch.num_parts, longest_first=None, pointers=pointers,
+        out_strides=out_strides, total_q=p.total_q, q_limit=p.q_limit, causal=p.causal,
+        q_vec=pointers["query"] % 16 == 0 and q_strides[0] % vec == 0 and q_strides[1] % vec == 0)
+    i32 = np.int32
+    plan_args = [("query_start_loc", np.uint64(pointers["query_start_loc"])), ("num_seqs", i32(p.num_seqs)),
+                 ("total_q", i32(p.total_q)), ("group_size", i32(p.group_size)), ("rows", i32(launch.rows)),
+                 ("tile_info", np.uint64(pointers["tile_info"])), ("num_tiles", i32(launch.num_tiles))]
+    spec = launch.spec
+    launches = [
+        _launch.Launch(_launch.function_of(plan_kernel), (1, 1, 1), _specs.PREFILL_PLAN_THREADS,
+                       _launch.PackedArgs(plan_args)),
+        _launch.Launch(_launch.function_of(kernel), (launch.num_tiles, p.num_kv_heads, launch.num_parts),
+                       spec.threads, _launch.PackedArgs(attention), spec.smem_bytes),
+    ]
     if launch.num_parts > 1:
-        reduce_kernel(
-            (launch.num_tiles, p.num_kv_heads, _compile.reduce_chunks(launch.rows, p.head_size, launch.num_parts)),
-            (_compile.PREFILL_REDUCE_THREADS,),
-            (
-                ptr(out), i64(out_strides[0]), i64(out_strides[1]), part_acc, part_ml, starts, i32(p.total_q),
-                tiles, i32(p.num_kv_heads), i32(p.group_size), i32(launch.num_parts),
-            ),
-            stream=stream,
-        )
+        combine = _launch.combine_args(p, tiled=True, num_parts=launch.num_parts, pointers=pointers,
+                                       out_strides=out_strides, total_q=p.total_q)
+        chunks = _specs.combine_chunks(launch.rows, p.head_size, launch.num_parts)
+        launches.append(_launch.Launch(_launch.function_of(combine_kernel), (launch.num_tiles, p.num_kv_heads, chunks),
+                                       _specs.COMBINE_THREADS, _launch.PackedArgs(combine)))
+    for one in launches:
+        one.launch(stream.ptr)
 
 
 def paged_prefill_attention(
@@ -251,7 +183,7 @@ def paged_prefill_attention(
         if validate:
             host = dataclasses.replace(
                 problem, seq_lens=reference.to_numpy(seq_lens), block_tables=reference.to_numpy(block_tables),
-                query_start_loc=reference.to_numpy(query_start_loc), bias=host_bias(problem.bias, attn_bias),
+                query_start_loc=reference.to_numpy(query_start_loc), bias=_checks.host_bias(problem.bias, attn_bias),
             )
             _checks.check_prefill_host_data(host)
         if out is not None:
@@ -262,7 +194,7 @@ def paged_prefill_attention(
             )
         if problem.total_q == 0 or problem.num_seqs == 0:
             return _interop.finish(framework, result)
-        launch = plan_prefill(problem, _num_sms(device), WGMMA and _runs_sm90a(device))
+        launch = planning.plan_prefill(problem.shape, _device.query(device))
         tile_info = _interop.empty(framework, (launch.num_tiles, 2), np.int32, query, launch_stream)[1]
         workspace = None
         if launch.num_parts > 1:
@@ -271,5 +203,5 @@ def paged_prefill_attention(
                 _interop.empty(framework, (rows, problem.head_size), np.float32, query, launch_stream)[1],
                 _interop.empty(framework, (rows, 2), np.float32, query, launch_stream)[1],
             )
-        _launch(problem, launch, out_arr, tile_info, workspace, launch_stream, device)
+        _launch_prefill(problem, launch, out_arr, tile_info, workspace, launch_stream, device)
     return _interop.finish(framework, result)

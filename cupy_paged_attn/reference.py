@@ -10,22 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from . import _checks, _interop
+from . import _checks
+from ._interop import to_numpy
 from .bias import t5_position_bias
 
 __all__ = ["dense_bias", "paged_attention_ref", "paged_prefill_attention_ref", "reshape_and_cache_ref", "to_numpy"]
-
-
-def to_numpy(x: Any) -> Any:
-    """A host NumPy copy of a NumPy, CuPy, PyTorch or JAX array (bfloat16 kept, through ml_dtypes); None stays None."""
-    if x is None or isinstance(x, np.ndarray):
-        return x
-    module = type(x).__module__.split(".")[0]
-    if module == "cupy":
-        return x.get()
-    if module == "torch":
-        return _interop.to_array_module("x", x.detach().cpu())[0]
-    return np.asarray(x)
 
 
 def _nhd_caches(key_cache: np.ndarray, value_cache: np.ndarray, kv_layout: str) -> tuple[np.ndarray, np.ndarray]:

@@ -3,13 +3,14 @@
 Run: python examples/quickstart_cupy.py
 
 Needs a CUDA GPU and CuPy (``pip install 'cupy-paged-attn[cuda12]'``, or ``[cuda13]``); without them it prints
-"skipped: ..." and exits 0. Builds the paged cache with ``reshape_and_cache``, calls ``paged_attention`` and checks
+"cannot run: ..." and exits 3 (0 with
+``--skip-missing``). Builds the paged cache with ``reshape_and_cache``, calls ``paged_attention`` and checks
 the result against the float64 NumPy reference.
 """
 
-import sys
 
 import numpy as np
+from _missing import cannot_run
 
 
 def skip_reason() -> str | None:
@@ -76,6 +77,5 @@ def main() -> None:
 if __name__ == "__main__":
     reason = skip_reason()
     if reason:
-        print(f"skipped: {reason}")
-        sys.exit(0)
+        cannot_run(reason)
     main()

@@ -3,14 +3,15 @@
 Run: python examples/quickstart_jax.py
 
 Needs a CUDA GPU, JAX with CUDA (``pip install 'jax[cuda12]'``) and CuPy (``pip install 'cupy-paged-attn[cuda12]'``);
-without them it prints "skipped: ..." and exits 0. Block tables, seq_lens and slots are int32 (JAX's default
+without them it prints "cannot run: ..." and exits 3 (0 with
+``--skip-missing``). Block tables, seq_lens and slots are int32 (JAX's default
 integer). JAX arrays are immutable: ``reshape_and_cache`` returns new caches, and ``out=`` is not accepted.
 """
 
 import importlib.util
-import sys
 
 import numpy as np
+from _missing import cannot_run
 
 
 def skip_reason() -> str | None:
@@ -81,6 +82,5 @@ def main() -> None:
 if __name__ == "__main__":
     reason = skip_reason()
     if reason:
-        print(f"skipped: {reason}")
-        sys.exit(0)
+        cannot_run(reason)
     main()

@@ -3,14 +3,15 @@
 Run: python examples/quickstart_torch.py
 
 Needs a CUDA GPU, PyTorch with CUDA and CuPy (``pip install 'cupy-paged-attn[cuda12]'``, or ``[cuda13]``);
-without them it prints "skipped: ..." and exits 0. Calls ``paged_attention`` plainly, then into ``out=`` on a side
+without them it prints "cannot run: ..." and exits 3 (0 with
+``--skip-missing``). Calls ``paged_attention`` plainly, then into ``out=`` on a side
 stream under ``torch.cuda.stream``, and checks both against the float64 NumPy reference.
 """
 
 import importlib.util
-import sys
 
 import numpy as np
+from _missing import cannot_run
 
 
 def skip_reason() -> str | None:
@@ -83,6 +84,5 @@ def main() -> None:
 if __name__ == "__main__":
     reason = skip_reason()
     if reason:
-        print(f"skipped: {reason}")
-        sys.exit(0)
+        cannot_run(reason)
     main()

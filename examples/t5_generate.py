@@ -10,7 +10,7 @@ inputs of lengths 7, 19, 33 and 50, and generates 32 tokens greedily twice: with
 :class:`cupy_paged_attn.t5.PagedT5` (ragged lengths, paged caches, our kernels). Prints whether the tokens are
 identical, the largest difference between the two models' logits for the same prefix (HF's tokens fed to both,
 teacher-forced), and tokens/s of both. Ends with "OK", or exits 1 with "FAILED: ...". Needs torch and transformers
-(exits 0 with "skipped: ..." without them).
+(exits 3 with "cannot run: ..." without them; 0 with ``--skip-missing``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import importlib.util
 import sys
 import time
 from typing import Any
+
+from _missing import cannot_run
 
 LENGTHS = (7, 19, 33, 50)
 # Max |ours - HF| over the logits of every step (logits of magnitude ~5), by (device, dtype). float32: the two
@@ -162,11 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per sequence")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-missing", action="store_true", help="exit 0 where torch or transformers is missing")
     args = parser.parse_args(argv)
     reason = skip_reason()
     if reason:
-        print(f"skipped: {reason}")
-        return 0
+        cannot_run(reason)
     import torch
 
     device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"

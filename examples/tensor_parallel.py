@@ -7,7 +7,8 @@ As in Megatron-style attention, rank ``r`` owns query heads ``[r*H/2, (r+1)*H/2)
 (GQA groups stay whole), its own slice of the paged caches, and its slice of the bias (a strided view: the library
 takes any strides). Each rank runs ``paged_attention`` on its GPU; ``all_gather`` concatenates the heads, and
 rank 0 compares the result with the single-GPU call on the full problem and with the float64 reference. Needs 2
-CUDA GPUs, PyTorch with NCCL and CuPy; with fewer GPUs it says so and exits 0. NVLink multicast (NVLS) is left off.
+CUDA GPUs, PyTorch with NCCL and CuPy; with fewer GPUs it says so and exits 3 (0 with ``--skip-missing``).
+NVLink multicast (NVLS) is left off.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import importlib.util
 import socket
 
 import numpy as np
+from _missing import cannot_run
 
 WORLD = 2
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 16, 4, 128, 16
@@ -101,18 +103,15 @@ def main() -> None:
     try:
         import torch
     except ImportError:
-        print("tensor parallel: needs PyTorch (with CUDA and NCCL); skipped")
-        return
+        cannot_run("tensor parallel needs PyTorch (with CUDA and NCCL)")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None)
         return
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if found < WORLD:
-        print(f"tensor parallel: needs {WORLD} CUDA GPUs, found {found}; skipped")
-        return
+        cannot_run(f"tensor parallel needs {WORLD} CUDA GPUs, found {found}")
     if importlib.util.find_spec("cupy") is None:
-        print("tensor parallel: needs CuPy (pip install 'cupy-paged-attn[cuda13]'); skipped")
-        return
+        cannot_run("tensor parallel needs CuPy (pip install 'cupy-paged-attn[cuda13]')")
     torch.multiprocessing.spawn(worker, args=(WORLD, free_port()), nprocs=WORLD, join=True)
 
 

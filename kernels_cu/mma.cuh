@@ -12,7 +12,7 @@
 // matrix l / 8 (16 bytes each, 16-byte aligned). Without .trans lane l receives row r, elements 2c, 2c + 1 of each
 // matrix; with .trans it receives column r, rows 2c, 2c + 1.
 //
-// Inlined into a kernel's source text by cupy_paged_attn/_compile.py, like common.cuh: CUDA headers only.
+// Inlined into a kernel's source text by cupy_paged_attn/_compile.py, like every header: CUDA headers only.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -1,5 +1,5 @@
 // Hopper warpgroup matrix multiply (wgmma.mma_async, sm_90a only), for float16 and bfloat16 operands with float32
-// accumulators: the prefill kernel's Hopper tiling (PrefillLayout with WG = true).
+// accumulators: the Hopper tiling of prefill (prefill_wgmma.cu; TileLayout with WG = true).
 //
 // A warpgroup (4 consecutive warps, 128 threads) computes D (64 x N) += A (64 x 16) · B (16 x N) per instruction.
 // Warp w of the group holds rows 16w ... 16w + 15 of D and of a register A, in mma.sync's m16n8k16 fragment layouts
@@ -23,7 +23,7 @@
 // those points. Shared memory written by ordinary stores or cp.async is read by wgmma through the async proxy:
 // fence_proxy_async() after the writes, before the barrier that publishes them.
 //
-// Inlined into a kernel's source text by cupy_paged_attn/_compile.py, like common.cuh: CUDA headers only.
+// Inlined into a kernel's source text by cupy_paged_attn/_compile.py, like every header: CUDA headers only.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -43,13 +45,19 @@ def rng(request: pytest.FixtureRequest) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
+@pytest.fixture
+def tune() -> Iterator[Callable[..., object]]:
+    """``tune(**switches)``: set :mod:`cupy_paged_attn.tuning` switches for the rest of the test (restored after it;
+    later calls add to earlier ones)."""
+    from cupy_paged_attn import tuning
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **switches: stack.enter_context(tuning.override(**switches))
+
+
 @pytest.fixture(params=["single-pass", "split-k"])
-def split(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def split(request: pytest.FixtureRequest, tune: Callable[..., object]) -> str:
     """Force one path of decode and prefill: a 1-SM GPU never splits the keys; a huge one always does (as far as
     the keys allow)."""
-    from cupy_paged_attn import decode, prefill
-
-    sms = 1 if request.param == "single-pass" else 10**6
-    for module in (decode, prefill):
-        monkeypatch.setattr(module, "_num_sms", lambda device: sms)
+    tune(num_sms=1 if request.param == "single-pass" else 10**6)
     return request.param

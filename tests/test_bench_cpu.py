@@ -1,6 +1,7 @@
 """CPU: the benchmark scripts without a GPU, so that a mistake there shows here rather than at the end of a GPU run:
-``benchmarks/bench_decode.py``'s dry run, command line, floor bytes and report (from made-up times), and
-``benchmarks/compile_time.py``'s offline mode, ``benchmarks/decode_probe.py``'s probe kernels and command line.
+``benchmarks/bench_decode.py``'s dry run, command line, floor bytes and report (from made-up times),
+``benchmarks/bench_prefill.py``'s command line and report, ``benchmarks/compile_time.py``'s offline mode, and what
+``benchmarks/ab.py`` and ``benchmarks/host_ab.py`` read of the trees they compare.
 """
 
 from __future__ import annotations
@@ -176,40 +177,9 @@ def test_compile_time_offline_and_bad_specs():
     script = REPO_ROOT / "benchmarks" / "compile_time.py"
     result = run_script("--offline", "sm_90", "--specs", "cache-write", script=script, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "reshape_and_cache_bf16_nhd_slot-i32" in result.stdout and " s" in result.stdout
+    assert "cache_write_bf16_nhd_slot-i32" in result.stdout and " s" in result.stdout
     bad = run_script("--specs", "nope", script=script)
     assert bad.returncode == 2 and "--specs" in bad.stderr
-
-
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_decode_probe_kernels_compile(arch):
-    """The floor probes' CUDA source (benchmarks/decode_probe.py) compiles, so a mistake there fails here."""
-    from cupy_paged_attn import _compile
-
-    spec = importlib.util.spec_from_file_location("decode_probe_source", REPO_ROOT / "benchmarks" / "decode_probe.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))  # it imports bench_decode
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(REPO_ROOT / "benchmarks"))
-    cubin, _ = _compile.compile_offline("decode_probe.cu", [], arch, source=module.PROBE_SOURCE)
-    assert cubin[:4] == b"\x7fELF"
-    for name in ("probe_read2", "probe_read4", "probe_read_combine", "probe_read_unsplit", "probe_empty",
-                 "probe_reduce", "probe_stream8", "probe_stream16",
-                 "probe_async16_0", "probe_async16_1", "probe_async16_2",
-                 "probe_async16_3", "probe_async16_4"):
-        assert name.encode() in cubin
-
-
-def test_decode_probe_command_line_without_a_gpu():
-    """An unknown probe is refused (exit 2); without a GPU the probes say they need one (exit 2)."""
-    script = REPO_ROOT / "benchmarks" / "decode_probe.py"
-    result = run_script("bogus", script=script)
-    assert result.returncode == 2 and "invalid choice: 'bogus'" in result.stderr
-    if importlib.util.find_spec("torch") is None:
-        result = run_script("floor", script=script)
-        assert result.returncode == 2 and "no CUDA device" in result.stderr
 
 
 def test_host_ab_loads_each_tree_apart(tmp_path):
@@ -234,27 +204,38 @@ def test_host_ab_loads_each_tree_apart(tmp_path):
     assert result.returncode == 0 and "two trees" in result.stdout, result.stderr
 
 
-def test_wave_model_orders(bench):
-    """benchmarks/wave_model.py: each issue order covers every key once; equal lengths give both orders the same
-    pieces, in another order (within 1 %); on
-    the widely spread B64 case taking the work sequence by sequence ends the grid sooner (as measured, session 23);
-    the script prints a row per case, partition count and saturation."""
+def load_benchmark(name: str):
     sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
     try:
-        import wave_model
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(REPO_ROOT / "benchmarks"))
-    lens = [700, 0, 65, 300]
-    for order in wave_model.ORDERS:
-        keys = wave_model.issue_order(lens, rows=2, parts=3, tile=64, order=order)
-        assert len(keys) == 2 * 3 * len(lens) and sum(keys) == 2 * sum(lens)
-    with pytest.raises(ValueError, match="order: expected one of"):
-        wave_model.issue_order(lens, 2, 3, 64, "bogus")
-    equal = wave_model.predict(bench.CASES[3], 3, 3, 132, 264, 2.0, 4.27e12)
-    assert equal["by-partition"] == pytest.approx(equal["by-sequence"], rel=0.01)
-    spread = wave_model.predict(bench.CASES[11], 11, 3, 132, 264, 2.0, 4.27e12)
-    assert 1.0 < spread["by-sequence"] < spread["by-partition"]
-    result = run_script("--cases", "11,12", "--parts", "2,3", "--saturate", "264",
-                        script=REPO_ROOT / "benchmarks" / "wave_model.py")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.count("B64 H32/8") == 2 and result.stdout.count("B128 H32/8") == 2
+
+
+def test_prefill_report_and_bad_cases():
+    """bench_prefill.py's table from made-up times: ms, TFLOP/s, each other row's time over ours with the same
+    bias, a mismatch flagged; a case index out of range exits 2."""
+    bench = load_benchmark("bench_prefill")
+    flops = 4.0 * 4 * 4096 * 4096 * 32 * 128
+    result = {"case": "B4 L4096 H32 d128 full", "flops": flops, "errors": {"flex+t5": "failed"},
+              "rows": {"ours": 2.0, "ours+t5": 2.2, "sdpa-cudnn": 1.6, "sdpa+t5": 3.6, "flex+t5": None},
+              "diffs": {"sdpa-cudnn": 0.01, "sdpa+t5": 0.5}}
+    table = bench.report([result]).splitlines()
+    assert table[0].startswith("| case (bf16) | ours | ours+t5 | ours+dense |")
+    cells = table[2].split(" | ")
+    assert cells[1] == f"2.000 ({flops / 2e-3 / 1e12:.0f})"
+    assert "1.600" in table[2] and "0.80x" in table[2]  # cuDNN over ours, no bias
+    assert "3.600" in table[2] and "1.64x MISMATCH 0.500" in table[2]  # SDPA with T5 over ours+t5
+    assert "| failed |" in table[2] and "| — |" in table[2]
+    bad = run_script("--cases", "9", script=REPO_ROOT / "benchmarks" / "bench_prefill.py")
+    assert bad.returncode == 2 and "--cases" in bad.stderr
+
+
+def test_ab_reads_the_prefill_lines_of_either_tree():
+    """ab.py reads the lines that bench_prefill.py prints per case (the same in trees before and after this
+    layout): T5, no bias, and T5 on the mma.sync tiling."""
+    ab = load_benchmark("ab")
+    line = ab.PREFILL_LINE.match("B4 L4096 H32 d128 causal: ours 1.674 ms, without bias 1.541 ms")
+    assert line and (line["case"], line["t5"], line["none"]) == ("B4 L4096 H32 d128 causal", "1.674", "1.541")
+    sync = ab.PREFILL_SYNC.match("B8 L2048 H16 d64 full: ours on the mma.sync tiling 0.669 ms")
+    assert sync and sync["ms"] == "0.669"

@@ -185,7 +185,7 @@ def test_kernel_t5_bias_matches_the_helper_exhaustively(num_buckets, max_distanc
     from cupy_paged_attn import _checks, _compile
 
     num_heads = 3
-    source = (_compile.kernel_dir() / "common.cuh").read_text() + _T5_PROBE
+    source = _compile.inline_headers('#include "bias.cuh"\n' + _T5_PROBE)
     probe = cupy.RawModule(code=source, options=("-std=c++17",)).get_function("t5_probe")
     host_table = (np.arange(num_buckets)[:, None] * 1000 + np.arange(num_heads)[None, :]).astype(np.float32)
     bias = cpa.RelativePositionBias(cupy.asarray(host_table.T).T, num_buckets=num_buckets,  # strided table
@@ -194,9 +194,10 @@ def test_kernel_t5_bias_matches_the_helper_exhaustively(num_buckets, max_distanc
                                  1, num_heads)
     num_keys = 2 * SPAN + 1
     out = cupy.empty((num_heads, num_keys), cupy.float32)
-    args = checked.kernel_args()
-    probe((1024,), (256,), (out, args[0], args[1], args[2], args[3], args[6], args[7], args[8],
-                            np.int32(num_heads), np.int32(SPAN), np.int32(num_keys)))
+    i64, i32 = np.int64, np.int32
+    probe((1024,), (256,), (out, checked.array, checked.index, i64(checked.strides[0]), i64(checked.strides[1]),
+                            i32(checked.dtype_code), i32(checked.n), i32(checked.m), i32(num_heads), i32(SPAN),
+                            i32(num_keys)))
     got = out.get()
     expected_bucket = cpa.t5_relative_position_bucket(np.arange(num_keys) - SPAN, bidirectional=bidirectional,
                                                       num_buckets=num_buckets, max_distance=max_distance)

@@ -9,7 +9,6 @@ from helpers import DTYPES, assert_close, make_problem
 from test_decode_gpu import device_args, to_cupy, to_torch
 
 import cupy_paged_attn as cpa
-from cupy_paged_attn import decode
 from cupy_paged_attn.reference import paged_attention_ref, reshape_and_cache_ref, to_numpy
 
 pytestmark = pytest.mark.gpu
@@ -93,16 +92,14 @@ def test_out_of_range_slot_is_skipped_on_gpu(rng):
         cpa.reshape_and_cache(to_cupy(key), to_cupy(value), dk, dv, to_cupy(slots), validate=True)
 
 
-@pytest.mark.parametrize("kernel", ["fp32-loop", "tensor-cores"])
-def test_split_decode_reads_the_token_written_just_before(rng, monkeypatch, kernel):
+@pytest.mark.parametrize("kernel", ["simt", "tensor-cores"])
+def test_split_decode_reads_the_token_written_just_before(rng, tune, kernel):
     """A decode step: each sequence's newest key and value written by reshape_and_cache, then a split attention run
     at once. The attention kernel is launched as a dependent of the cache write (which lets it launch early, on
     devices that have programmatic dependent launch) and must still read the new token."""
     import cupy
 
-    monkeypatch.setattr(decode, "_num_sms", lambda device: 10**6)
-    for name, value in decode.forced_kernel_switches(kernel).items():
-        monkeypatch.setattr(decode, name, value)
+    tune(num_sms=10**6, decode_kernel=kernel)
     p = make_problem(rng, [700, 3, 300], num_heads=8, num_kv_heads=2, head_size=64, dtype="bf16", bias="dense",
                      bias_dtype="bf16")
     args, kwargs = device_args(p, to_cupy)

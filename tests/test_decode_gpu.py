@@ -14,7 +14,7 @@ import pytest
 from helpers import BIAS_KINDS, DTYPES, assert_close, convert_bias, dense_attention, hostile_t5_bias, make_problem
 
 import cupy_paged_attn as cpa
-from cupy_paged_attn import _compile, decode
+from cupy_paged_attn import _device, _specs, decode
 from cupy_paged_attn.reference import paged_attention_ref, to_numpy
 
 pytestmark = pytest.mark.gpu
@@ -31,14 +31,12 @@ GRID = [
 
 
 @pytest.fixture(params=["single-pass", "split-k", "split-k-cluster"])
-def split(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """conftest's ``split``, with the FP32 kernel's split-K partitions combined both ways: by the reduction kernel
+def split(request: pytest.FixtureRequest, tune) -> str:
+    """conftest's ``split``, with the SIMT kernel's split-K partitions combined both ways: by the combine kernel
     ("split-k") and, where the device launches thread block clusters, in clusters ("split-k-cluster": the huge
     GPU puts every split grid of at most 8 partitions at one CTA per SM). The tensor-core kernel has one split
     path, taken by both."""
-    sms = 1 if request.param == "single-pass" else 10**6
-    monkeypatch.setattr(decode, "_num_sms", lambda device: sms)
-    monkeypatch.setattr(decode, "CLUSTER_COMBINE", request.param == "split-k-cluster")
+    tune(num_sms=1 if request.param == "single-pass" else 10**6, cluster_combine=request.param == "split-k-cluster")
     return request.param
 
 
@@ -122,15 +120,14 @@ KERNEL_GRID = [  # (dtype, head_size, block_size, (num_heads, num_kv_heads), lay
 ]
 
 
-@pytest.mark.parametrize("kernel", ["tensor-cores", "fp32-loop"])
+@pytest.mark.parametrize("kernel", ["tensor-cores", "simt"])
 @pytest.mark.parametrize(("dtype", "head_size", "block_size", "heads", "layout", "bias"), KERNEL_GRID,
                          ids=[f"{d}-d{h}-b{b}-{q}of{k}-{lay}-{bias}" for d, h, b, (q, k), lay, bias in KERNEL_GRID])
-def test_both_decode_kernels(rng, split, monkeypatch, kernel, dtype, head_size, block_size, heads, layout, bias):
-    """16-bit decode with head sizes up to 128 has two kernels: the tensor-core one (grouped queries) and the FP32
-    loop (paged_decode.cu). Each, forced, on every group shape: MHA, GQA, MQA, more than 16 heads per KV head; the
+def test_both_decode_kernels(rng, split, tune, kernel, dtype, head_size, block_size, heads, layout, bias):
+    """16-bit decode with head sizes up to 128 has two kernels: the tensor-core one (decode_mma.cu) and the SIMT
+    one (decode_simt.cu). Each, forced, on every group shape: MHA, GQA, MQA, more than 16 heads per KV head; the
     tensor-core kernel's CTAs of 8 rows (groups up to 8) and of 16 (9 to 16 heads, or two CTAs past 16)."""
-    for name, value in decode.forced_kernel_switches(kernel).items():
-        monkeypatch.setattr(decode, name, value)
+    tune(decode_kernel=kernel)
     alibi = head_size in (64, 112)
     p = make_problem(rng, SEQ_LENS, num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size,
                      block_size=block_size, dtype=dtype, kv_layout=layout, bias=bias, bias_dtype=dtype, alibi=alibi,
@@ -171,11 +168,11 @@ def test_bias_kinds_equal_their_dense_form(rng):
         np.testing.assert_allclose(as_kind, run_cupy(p), atol=2e-6, rtol=2e-6, err_msg=kind)
 
 
-def test_single_pass_and_split_k_agree(rng, monkeypatch):
+def test_single_pass_and_split_k_agree(rng, tune):
     p = make_problem(rng, [3000, 1, 2049], num_heads=8, num_kv_heads=2, head_size=128, dtype="f32", bias="dense")
     results = {}
     for name, sms in (("single", 1), ("split", 10**6)):
-        monkeypatch.setattr(decode, "_num_sms", lambda device, sms=sms: sms)
+        tune(num_sms=sms)
         results[name] = run_cupy(p)
     np.testing.assert_allclose(results["single"], results["split"], atol=1e-5, rtol=1e-5)
     assert_close(results["split"], paged_attention_ref(*p.args(), **p.kwargs()), "f32")
@@ -194,27 +191,25 @@ CLUSTER_GRID = [  # (dtype, head_size, (num_heads, num_kv_heads), layout, bias, 
 
 @pytest.mark.parametrize(("dtype", "head_size", "heads", "layout", "bias", "longest"), CLUSTER_GRID,
                          ids=[f"{d}-d{h}-{q}of{k}-{lay}-{b}-L{n}" for d, h, (q, k), lay, b, n in CLUSTER_GRID])
-def test_cluster_combine(rng, monkeypatch, dtype, head_size, heads, layout, bias, longest):
-    """Split grids of the FP32 kernel that combine their partitions in thread block clusters (2 to 8 partitions,
+def test_cluster_combine(rng, tune, dtype, head_size, heads, layout, bias, longest):
+    """Split grids of the SIMT kernel that combine their partitions in thread block clusters (2 to 8 partitions,
     1 to 8 heads a CTA, every bias kind, ALiBi) against the reference and against the same grid combined by the
-    reduction kernel; the output poisoned, unused page slots NaN, an empty and a one-key sequence among longer
+    combine kernel; the output poisoned, unused page slots NaN, an empty and a one-key sequence among longer
     ones (whole partitions with no key)."""
-    if not decode._has_launch_ex(0):
+    if not _device.query(0).clusters:
         pytest.skip("thread block clusters need compute capability 9.0")
-    monkeypatch.setattr(decode, "_num_sms", lambda device: 10**6)
-    for name, value in decode.forced_kernel_switches("fp32-loop").items():  # whatever the group
-        monkeypatch.setattr(decode, name, value)
+    tune(num_sms=10**6, decode_kernel="simt")  # whatever the group
     p = make_problem(rng, [longest, 0, 1, longest // 2 + 5], num_heads=heads[0], num_kv_heads=heads[1],
                      head_size=head_size, dtype=dtype, kv_layout=layout, bias=bias, bias_dtype=dtype, alibi=True,
                      extra_table_cols=0)
     expected = paged_attention_ref(*p.args(), **p.kwargs())
     results = {}
     for cluster in (True, False):
-        monkeypatch.setattr(decode, "CLUSTER_COMBINE", cluster)
+        tune(cluster_combine=cluster)
         results[cluster], launch = run_plan_poisoned(p)
-        assert not launch.tensor_cores and launch.cluster == cluster and launch.reduces == (not cluster)
-        assert 1 < launch.num_parts <= _compile.DECODE_CLUSTER_MAX_PARTS
-        assert_close(results[cluster], expected, dtype, f"{'cluster' if cluster else 'reduction'} combine")
+        assert not launch.tensor_cores and launch.cluster == cluster and launch.combines == (not cluster)
+        assert 1 < launch.num_parts <= _specs.DECODE_CLUSTER_MAX_PARTS
+        assert_close(results[cluster], expected, dtype, f"{'cluster' if cluster else 'kernel'} combine")
     np.testing.assert_allclose(results[True].astype(np.float32), results[False].astype(np.float32),
                                atol=1e-2 if dtype != "f32" else 1e-5, rtol=1e-2 if dtype != "f32" else 1e-5)
 
@@ -245,14 +240,14 @@ def run_plan_poisoned(p):
     return to_numpy(out), plan.launch
 
 
-def assert_order_changes_nothing(monkeypatch, p, check_launch):
-    """Run ``p`` with ``decode.LONGEST_FIRST`` on and off (:func:`run_plan_poisoned`), ``check_launch(launch, order)``
+def assert_order_changes_nothing(tune, p, check_launch):
+    """Run ``p`` with the longest_first switch on and off (:func:`run_plan_poisoned`), ``check_launch(launch, order)``
     on each plan: the reference's answer both ways, and the same bits both ways when the grid is not split. (A
     ranked split grid cuts each sequence's own keys into its partitions, index order cuts max_len's: the partials
     then round differently.)"""
     results = {}
     for order in (True, False):
-        monkeypatch.setattr(decode, "LONGEST_FIRST", order)
+        tune(longest_first=order)
         results[order], launch = run_plan_poisoned(p)
         check_launch(launch, order)
         assert_close(results[order], paged_attention_ref(*p.args(), **p.kwargs()), "bf16", f"order {order}")
@@ -264,46 +259,43 @@ def assert_order_changes_nothing(monkeypatch, p, check_launch):
                                                 (37, "t5-causal"), (256, "t5-bidir")])
 @pytest.mark.parametrize(("heads", "head_size", "mha"), [((4, 4), 64, False), ((4, 4), 64, True),
                                                         ((8, 2), 64, True), ((32, 2), 128, True)],
-                         ids=["fp32-kernel", "tensor-cores-mha", "tensor-cores-8-rows", "tensor-cores-16-rows"])
-def test_longest_first_order(rng, monkeypatch, num_seqs, bias, heads, head_size, mha):
+                         ids=["simt-kernel", "tensor-cores-mha", "tensor-cores-8-rows", "tensor-cores-16-rows"])
+def test_longest_first_order(rng, tune, num_seqs, bias, heads, head_size, mha):
     """Sequences taken longest first (ties and an empty one among them) give the reference's answer, and what index
-    order gives bit for bit where the grid is not split, on the FP32 kernel and the tensor-core one (8 and 16 rows
-    per CTA: 128 threads rank two sequences each past 128), with each bias kind (T5's FP32 kernels reread the
+    order gives bit for bit where the grid is not split, on the SIMT kernel and the tensor-core one (8 and 16 rows
+    per CTA: 128 threads rank two sequences each past 128), with each bias kind (T5's SIMT kernels reread the
     sequence from shared memory); every output row and partial is written (out and workspace poisoned). 256
     sequences is the most one ranking takes. (Lengths past the block table and negative ones:
     test_hostile_block_ids_and_lengths_stay_in_bounds, whose single-pass grids are ordered so too.)"""
-    monkeypatch.setattr(decode, "_num_sms", lambda device: 1)  # every grid is then several waves
-    monkeypatch.setattr(decode, "TENSOR_CORE_MHA", mha)  # (not with a ragged bias)
+    tune(num_sms=1, multi_head_tensor_cores=mha)  # every grid is then several waves (MHA: not with a ragged bias)
 
     def check_launch(launch, order):
         tensor_cores = heads[0] > heads[1] or (mha and bias != "ragged")
         assert launch.longest_first == order and launch.tensor_cores == tensor_cores
         assert launch.num_parts == 1 or launch.tensor_cores  # (2 sequences on the tensor cores: a tail split)
 
-    assert_order_changes_nothing(monkeypatch, ranked_problem(rng, num_seqs, 300, heads, head_size, bias),
-                                 check_launch)
+    assert_order_changes_nothing(tune, ranked_problem(rng, num_seqs, 300, heads, head_size, bias), check_launch)
 
 
 @pytest.mark.parametrize(("num_seqs", "bias", "in_order"), [(37, "dense", False), (37, "ragged", False),
                                                             (256, "t5-bidir", False), (150, "none", False),
                                                             (37, "dense", True)])
 @pytest.mark.parametrize(("heads", "head_size"), [((8, 2), 64), ((32, 2), 128)], ids=["8-rows", "16-rows"])
-def test_longest_first_tail_split(rng, monkeypatch, num_seqs, bias, in_order, heads, head_size):
-    """A tensor-core grid of between one wave and one and a half is split (decode.tail_parts) and still taken longest
-    first: CTAs rank the sequences and take them sequence by sequence, each cut into the partitions by its own
-    length (paged_prefill.cu), their block ids then starting past the partition's first key. The reference's answer
+def test_longest_first_tail_split(rng, tune, num_seqs, bias, in_order, heads, head_size):
+    """A tensor-core grid of between one wave and one and a half is split (planning.tail_parts) and still taken
+    longest first: CTAs rank the sequences and take them sequence by sequence, each cut into the partitions by its own
+    length (decode_mma.cu), their block ids then starting past the partition's first key. The reference's answer
     with every partial and row written (workspace and out poisoned), in either order; a batch already in order
     reads the first block ids that travelled while ranking only where its partition starts where they do."""
-    rows = _compile.decode_rows(heads[0] // heads[1])
-    resident = _compile.decode_ctas_per_sm(head_size, rows)
+    rows = _specs.decode_rows(heads[0] // heads[1])
+    resident = _specs.decode_ctas_per_sm(head_size, rows)
     ctas = num_seqs * heads[1] * -(-(heads[0] // heads[1]) // rows)
-    sms = max(1, int(ctas / (1.25 * resident)))  # about 1.25 waves
-    monkeypatch.setattr(decode, "_num_sms", lambda device: sms)
+    tune(num_sms=max(1, int(ctas / (1.25 * resident))))  # about 1.25 waves
 
     def check_launch(launch, order):
         assert launch.tensor_cores and launch.num_parts in (2, 3) and launch.longest_first == order
 
-    assert_order_changes_nothing(monkeypatch, ranked_problem(rng, num_seqs, 700, heads, head_size, bias, in_order),
+    assert_order_changes_nothing(tune, ranked_problem(rng, num_seqs, 700, heads, head_size, bias, in_order),
                                  check_launch)
 
 
@@ -316,7 +308,8 @@ T5_GEOMETRY_GRID = [  # (dtype, head_size, group size, max_distance, bidirection
 
 @pytest.mark.parametrize(("dtype", "head_size", "group", "max_distance", "bidirectional"), T5_GEOMETRY_GRID,
                          ids=[f"{d}-d{h}-g{g}-n{n}-{'bidir' if b else 'causal'}" for d, h, g, n, b in T5_GEOMETRY_GRID])
-def test_tensor_core_t5_geometries(rng, split, monkeypatch, dtype, head_size, group, max_distance, bidirectional):
+def test_tensor_core_t5_geometries(rng, split, tune, monkeypatch, dtype, head_size, group, max_distance,
+                                   bidirectional):
     """The tensor-core decode with T5 (one head per KV head included, as multi-head problems now run there) over
     max_distances short and long, sequences shorter than, about and far past max_distance: tiles all far, all near
     and mixed; single pass and split (partitions that hold no near key). The CTA's near table and far constants come
@@ -324,8 +317,7 @@ def test_tensor_core_t5_geometries(rng, split, monkeypatch, dtype, head_size, gr
     CTAs per SM leave over, 1024 at most: 255, 128 at group 8, 192 at head size 96 the largest here), else from
     loads per logit (447, 448, 160 at group 8, 200 at head size 96). The reference's answer, and an independent
     dense attention's."""
-    for name, value in decode.forced_kernel_switches("tensor-cores").items():
-        monkeypatch.setattr(decode, name, value)
+    tune(decode_kernel="tensor-cores")
     monkeypatch.setitem(helpers.T5_KIND_GEOMETRY, "t5-geometry", (32, max_distance, bidirectional))
     lens = [1, max_distance - 1, max_distance + 1, 0, 64, 3 * max_distance + 200]
     p = make_problem(rng, lens, num_heads=2 * group, num_kv_heads=2, head_size=head_size, dtype=dtype,
@@ -596,27 +588,23 @@ def test_plan_runs_like_paged_attention(rng, split, framework, bias):
 
 
 @pytest.mark.parametrize("dependent", [True, False], ids=["dependent-launches", "plain-launches"])
-@pytest.mark.parametrize("kernel", ["fp32-loop", "fp32-cluster", "tensor-cores"])
-def test_split_plan_reruns_and_replays(rng, monkeypatch, kernel, dependent):
+@pytest.mark.parametrize("kernel", ["simt", "simt-cluster", "tensor-cores"])
+def test_split_plan_reruns_and_replays(rng, tune, kernel, dependent):
     """Split-K runs of one plan, eager and as CUDA-graph replays, each on fresh data in the same buffers: the plan's
     workspace is reused by every run, and a sequence shorter than the partitions' span (3 keys) must not pick up a
     previous run's partials. Both kernels are launched both ways: with programmatic dependent launch (on devices
-    that have it), where the reduction starts while the attention kernel runs and the attention kernel while the
-    kernel before it runs (here a kernel that has just written every input, or the previous run's reduction), and
-    plainly; the FP32 kernel also with its partitions combined in clusters (no reduction, no workspace)."""
+    that have it), where the combine starts while the attention kernel runs and the attention kernel while the
+    kernel before it runs (here a kernel that has just written every input, or the previous run's combine), and
+    plainly; the SIMT kernel also with its partitions combined in clusters (no combine kernel, no workspace)."""
     import cupy
 
     torch = pytest.importorskip("torch")
     has_launch_ex = int(cupy.cuda.Device().compute_capability) >= 90
-    cluster = kernel == "fp32-cluster"
+    cluster = kernel == "simt-cluster"
     if cluster and not has_launch_ex:
         pytest.skip("thread block clusters need compute capability 9.0")
-    monkeypatch.setattr(decode, "_num_sms", lambda device: 10**6)
-    for name, value in decode.forced_kernel_switches("fp32-loop" if cluster else kernel).items():
-        monkeypatch.setattr(decode, name, value)
-    monkeypatch.setattr(decode, "DEPENDENT_REDUCE", dependent)
-    monkeypatch.setattr(decode, "DEPENDENT_ATTENTION", dependent)
-    monkeypatch.setattr(decode, "CLUSTER_COMBINE", cluster)
+    tune(num_sms=10**6, decode_kernel="simt" if cluster else kernel, dependent_launch=dependent,
+         cluster_combine=cluster)
     shape = dict(num_heads=8, num_kv_heads=2, head_size=64, dtype="bf16", bias="dense", bias_dtype="bf16",
                  alibi=True, spare_blocks=0, extra_table_cols=0)
     lens = [900 if cluster else 1500, 3, 700]  # a cluster holds at most 8 partitions of 128 keys
@@ -625,8 +613,7 @@ def test_split_plan_reruns_and_replays(rng, monkeypatch, kernel, dependent):
     plan = cpa.DecodePlan(*args, **kwargs)
     assert plan.launch.num_parts > 1 and plan.launch.tensor_cores == (kernel == "tensor-cores")
     assert plan.launch.cluster == cluster and (plan._workspace is None) == cluster
-    assert (plan._reduce_launch is not None) == (dependent and has_launch_ex and not cluster)
-    assert (plan._attention_launch is not None) == ((dependent and has_launch_ex) or cluster)
+    assert plan.launch.dependent == (dependent and has_launch_ex)
     extra = ("attn_bias", "alibi_slopes")
     out = torch.full_like(args[0], float("nan"))
     graph = captured(lambda: plan.run(*args, **{k: kwargs[k] for k in extra}, out=out))
@@ -830,19 +817,19 @@ def test_second_gpu(rng):
 # Hostile device data: never a fault, whatever the indices say
 # ---------------------------------------------------------------------------------------------------------------
 def check_hostile_launch(args, kwargs, split, spec_bias):
-    """The launch a hostile-data test means to reach: the FP32 loop (``spec_bias`` None) or the tensor-core kernel
+    """The launch a hostile-data test means to reach: the SIMT kernel (``spec_bias`` None) or the tensor-core kernel
     with that bias specialisation, split in partitions exactly when the ``split`` fixture asks for it."""
     launch = cpa.DecodePlan(*args, **kwargs).launch
     assert launch.tensor_cores == (spec_bias is not None) and (spec_bias is None or launch.spec.bias == spec_bias)
     assert (launch.num_parts > 1) == (split != "single-pass")
-    assert launch.cluster == (split == "split-k-cluster" and spec_bias is None and decode._has_launch_ex(0))
+    assert launch.cluster == (split == "split-k-cluster" and spec_bias is None and _device.query(0).clusters)
 
 
 @pytest.mark.parametrize(("dtype", "bias_dtype", "spec_bias"), [("f32", "f32", None), ("bf16", "f32", "dense"),
                                                              ("bf16", "bf16", "dense-rows")],
-                         ids=["fp32-loop", "tc", "tc-staged"])
+                         ids=["simt", "tc", "tc-staged"])
 def test_hostile_block_ids_and_lengths_stay_in_bounds(rng, split, dtype, bias_dtype, spec_bias):
-    """Block ids outside the cache and lengths negative or far past the block table's capacity, on the FP32 loop and
+    """Block ids outside the cache and lengths negative or far past the block table's capacity, on the SIMT kernel and
     the tensor-core kernel (a 16-bit bias staged in shared memory too), single pass and split: never a fault."""
     import cupy
 
@@ -873,13 +860,13 @@ def test_hostile_block_ids_and_lengths_stay_in_bounds(rng, split, dtype, bias_dt
                  paged_attention_ref(*p.args(), **p.kwargs()), dtype)
 
 
-def test_hostile_lengths_in_a_ranked_split_grid(rng, monkeypatch):
+def test_hostile_lengths_in_a_ranked_split_grid(rng, tune):
     """A tensor-core tail split taken longest first, with lengths negative and past the block table's capacity and a
     block id outside the cache: the ranking and each sequence's cut into partitions see the clamped lengths, never
     a fault; a negative length reads nothing and the sequences of valid data get the reference's answer."""
     import cupy
 
-    monkeypatch.setattr(decode, "_num_sms", lambda device: 2)  # 8 CTAs where 2 SMs hold 6: a tail split
+    tune(num_sms=2)  # 8 CTAs where 2 SMs hold 6: a tail split
     p = make_problem(rng, [400, 300, 200, 100], num_heads=8, num_kv_heads=2, head_size=128, bias="dense",
                      dtype="bf16", bias_dtype="bf16")
     args, kwargs = device_args(p, to_cupy)
@@ -913,10 +900,10 @@ def test_validate_reads_t5_buckets(rng):
 
 
 @pytest.mark.parametrize("kind", ["t5-causal", "t5-bidir", "t5-wide", "t5-many"])
-@pytest.mark.parametrize("dtype", ["f32", "f16"])  # the FP32 loop; the tensor-core kernel (grouped queries)
+@pytest.mark.parametrize("dtype", ["f32", "f16"])  # the SIMT kernel; the tensor-core kernel (grouped queries)
 def test_hostile_t5_buckets_stay_in_bounds(rng, split, dtype, kind):
     """Without ``validate``, the kernels hold each bucket of a ``from_buckets`` array inside the buckets of one
-    side (near keys, far keys past max_distance, the FP32 kernel's column path and, at 150 per side, its table
+    side (near keys, far keys past max_distance, the SIMT kernel's column path and, at 150 per side, its table
     path): no read outside the table, and the result of the valid array the hostile one is held back to."""
     p = make_problem(rng, [1100, 130, 17, 1], num_heads=4, num_kv_heads=4 if dtype == "f32" else 2, bias=kind,
                      dtype=dtype)
@@ -933,9 +920,9 @@ def test_hostile_t5_buckets_stay_in_bounds(rng, split, dtype, kind):
 
 @pytest.mark.parametrize(("dtype", "bias_dtype", "spec_bias"), [("f32", "f32", None), ("f16", "f32", "ragged"),
                                                              ("f16", "f16", "ragged-rows")],
-                         ids=["fp32-loop", "tc", "tc-staged"])
+                         ids=["simt", "tc", "tc-staged"])
 def test_hostile_ragged_offsets_stay_in_bounds(rng, split, dtype, bias_dtype, spec_bias):
-    """Ragged offsets outside the values, on the FP32 loop and on the tensor-core kernel (grouped queries), whose
+    """Ragged offsets outside the values, on the SIMT kernel and on the tensor-core kernel (grouped queries), whose
     16-bit bias of adjacent heads is staged in shared memory (RaggedRowsBias), single pass and split: nothing outside
     the rows is read."""
     import cupy

@@ -1,8 +1,9 @@
 """The serving-loop example runs on the CPU (NumPy path) as a subprocess, small and fast, and ends with its check
-line; the tensor-parallel example exits cleanly where it cannot run."""
+line; an example that cannot run here says why and exits 3, or 0 with --skip-missing."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -26,12 +27,15 @@ def test_serving_loop_on_the_cpu():
     assert last.startswith("serving loop: ") and last.endswith(" OK"), done.stdout
 
 
-def test_tensor_parallel_exits_cleanly_without_two_gpus():
-    pytest.importorskip("torch")
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
-        pytest.skip("two GPUs here: the example runs for real (a GPU command)")
-    done = run_example("examples/tensor_parallel.py")
-    assert done.returncode == 0, done.stderr
-    assert "needs 2 CUDA GPUs" in done.stdout
+@pytest.mark.parametrize("example", ["tensor_parallel", "quickstart_torch", "quickstart_jax", "quickstart_cupy",
+                                     "t5_generate"])
+def test_an_example_that_cannot_run_says_why(example):
+    if example == "t5_generate" and all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
+        pytest.skip("t5_generate runs here (on the CPU without a GPU): test_t5_cpu.py covers it")
+    done = run_example(f"examples/{example}.py")
+    if done.returncode == 0:
+        pytest.skip(f"{example} runs here (it needs a GPU command)")
+    assert done.returncode == 3 and done.stderr.startswith("cannot run: "), done.stderr
+    assert "--skip-missing" in done.stderr
+    skipped = run_example(f"examples/{example}.py", "--skip-missing")
+    assert skipped.returncode == 0 and skipped.stdout.startswith("skipped: "), skipped.stderr

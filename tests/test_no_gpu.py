@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cupy_paged_attn import _compile
+from cupy_paged_attn import _compile, _specs
 
 ROOT = Path(__file__).resolve().parent
 INSTALL_HINT = r"pip install 'cupy-paged-attn\[cuda13\]'"
@@ -72,4 +72,4 @@ def test_compile_failures_are_explained(monkeypatch, failure, match):
     monkeypatch.setattr(cupy.cuda, "Device", _FakeDevice)
     monkeypatch.setattr(cupy, "RawModule", FakeModule)
     with pytest.raises(RuntimeError, match=match):
-        _compile._module("paged_decode.cu", f"test-{kind}-{len(message)}", ("name",), 0)
+        _compile._module(_specs.CacheWriteSpec("f32", "nhd", "i32"), 1000 + len(message))  # (not cached before)

@@ -13,7 +13,7 @@ from prefill_helpers import DENSE_KINDS, T5_KINDS, make_prefill_problem
 from test_decode_gpu import to_cupy, to_torch
 
 import cupy_paged_attn as cpa
-from cupy_paged_attn import _checks, prefill
+from cupy_paged_attn import _checks, _device, planning
 from cupy_paged_attn.prefill import paged_prefill_attention
 from cupy_paged_attn.reference import paged_prefill_attention_ref, to_numpy
 
@@ -156,13 +156,13 @@ HOPPER_CASES = [("t5-causal", "nhd", True, 16, 8), ("t5-short", "vllm", False, 3
 
 @pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma-sync"])
 @pytest.mark.parametrize(("dtype", "head_size"), [("bf16", 128), ("f16", 128), ("bf16", 64), ("f16", 64)])
-def test_both_tensor_core_tilings(rng, split, monkeypatch, wgmma, dtype, head_size):
+def test_both_tensor_core_tilings(rng, split, tune, wgmma, dtype, head_size):
     """16-bit head sizes 64 and 128 without bias or with T5 run the Hopper tiling (wgmma) on devices of compute
-    capability 9.0 and the mma.sync tiling elsewhere (and with prefill.WGMMA = False, a dense bias, or a T5 table
+    capability 9.0 and the mma.sync tiling elsewhere (and with the wgmma switch off, a dense bias, or a T5 table
     that does not fit): each against the reference, and the plan says which."""
     import cupy
 
-    monkeypatch.setattr(prefill, "WGMMA", wgmma)
+    tune(wgmma=wgmma)
     hopper = int(cupy.cuda.Device().compute_capability) == 90
     for i, (bias, layout, causal, block_size, kv_heads) in enumerate(HOPPER_CASES):
         p = make_prefill_problem(rng, SEQS, num_heads=8, num_kv_heads=kv_heads, head_size=head_size,
@@ -171,20 +171,20 @@ def test_both_tensor_core_tilings(rng, split, monkeypatch, wgmma, dtype, head_si
         problem = _checks.check_prefill(*p.args(), causal=causal, scale=None, attn_bias=p.attn_bias,
                                         alibi_slopes=None, kv_layout=layout, out=None,
                                         bias_arrays=_checks.bias_operands(p.attn_bias))
-        fits = bias not in T5_KINDS or prefill._t5_table_fits(problem)
+        fits = bias not in T5_KINDS or planning.t5_table_fits(problem.shape)
         assert fits == (kv_heads != 1), "the case list covers both sides of the T5 table's limit"
-        launch = prefill.plan_prefill(problem, 132, wgmma and prefill._runs_sm90a(0))
+        launch = planning.plan_prefill(problem.shape, _device.query(0))
         assert launch.spec.wgmma == (wgmma and hopper and fits and bias in ("none", *T5_KINDS))
         assert_close(run_cupy(p), paged_prefill_attention_ref(*p.args(), **p.kwargs()), dtype,
                      f"{bias} {layout} causal={causal} b{block_size} G={8 // kv_heads} wgmma={wgmma} {split}")
 
 
-def test_single_pass_and_split_k_agree(rng, monkeypatch):
+def test_single_pass_and_split_k_agree(rng, tune):
     p = make_prefill_problem(rng, [(3000, 100), (1, 1), (2049, 2049)], num_heads=8, num_kv_heads=2, head_size=64,
                              dtype="f16", bias="t5-causal")
     results = {}
     for name, sms in (("single", 1), ("split", 10**6)):
-        monkeypatch.setattr(prefill, "_num_sms", lambda device, sms=sms: sms)
+        tune(num_sms=sms)
         results[name] = run_cupy(p)
     np.testing.assert_allclose(results["single"], results["split"], atol=2e-3, rtol=2e-3)
     assert_close(results["split"], paged_prefill_attention_ref(*p.args(), **p.kwargs()), "f16")

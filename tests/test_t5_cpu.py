@@ -36,7 +36,11 @@ def load_example() -> ModuleType:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["t5_generate"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(EXAMPLE.parent))  # its sibling _missing.py
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(EXAMPLE.parent))
     return module
 
 

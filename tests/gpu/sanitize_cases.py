@@ -19,7 +19,7 @@ from test_decode_gpu import device_args, to_cupy
 from test_prefill_gpu import device_kwargs
 
 import cupy_paged_attn as cpa
-from cupy_paged_attn import decode, prefill
+from cupy_paged_attn import tuning
 from cupy_paged_attn.reference import paged_attention_ref, paged_prefill_attention_ref, to_numpy
 
 CASES = [  # (name, make_problem keywords, split-K: False, True, "reduce" (not in clusters) or the SMs to plan for)
@@ -37,7 +37,7 @@ CASES = [  # (name, make_problem keywords, split-K: False, True, "reduce" (not i
     ("t5-bidir-f16-d64", dict(seq_lens=[200, 1], num_heads=4, num_kv_heads=4, dtype="f16", bias="t5-bidir",
                               bias_dtype="f32", alibi=True), False),
     ("t5-causal-f32-split", dict(seq_lens=[260], num_heads=4, num_kv_heads=1, bias="t5-causal"), "reduce"),
-    # The FP32 kernel's partitions combined in thread block clusters (sm_90): the latency case's shape, 8
+    # The SIMT kernel's partitions combined in thread block clusters (sm_90): the latency case's shape, 8
     # partitions; a CTA of 4 heads (3 in use) in 3 partitions, an empty and a one-key sequence beside it.
     ("latency-bf16-d64-dense-cluster", dict(seq_lens=[1024], num_heads=16, num_kv_heads=16, dtype="bf16",
                                             bias="dense", bias_dtype="bf16", alibi=True), 132),
@@ -51,20 +51,24 @@ CASES = [  # (name, make_problem keywords, split-K: False, True, "reduce" (not i
                                             dtype="f16", bias="dense", bias_dtype="f16"), True),
     ("gqa4-bf16-d128-ragged-rows-split", dict(seq_lens=[301, 5, 77], num_heads=8, num_kv_heads=2, head_size=128,
                                               dtype="bf16", bias="ragged", bias_dtype="bf16"), True),
-    # 8 CTAs where 2 SMs hold 6: a tail split taken longest first, sequence by sequence (paged_prefill.cu).
+    # 8 CTAs where 2 SMs hold 6: a tail split taken longest first, sequence by sequence (decode_mma.cu).
     ("gqa4-bf16-d128-dense-rows-ranked-split", dict(seq_lens=[77, 0, 301, 300], num_heads=8, num_kv_heads=2,
                                                     head_size=128, dtype="bf16", bias="dense", bias_dtype="bf16"), 2),
 ]
 
 
+def switches(split: bool | str | int) -> dict:
+    """The tuning switches that plan ``split``: unsplit (False), split as far as the keys allow (True, "reduce": by
+    the combine kernel, never in clusters), or planned for that many SMs (an int)."""
+    return dict(num_sms=split if type(split) is int else 10**6 if split else 1, cluster_combine=split != "reduce")
+
+
 def run(name: str, kwargs: dict, split: bool | str | int, rng: np.random.Generator) -> None:
-    sms = split if type(split) is int else 10**6 if split else 1
-    decode._num_sms = lambda device: sms
-    decode.CLUSTER_COMBINE = split != "reduce"
     p = make_problem(rng, **kwargs)
     args, kw = device_args(p, to_cupy)
     out = cupy.full(p.query.shape, np.nan, dtype=p.query.dtype)
-    cpa.paged_attention(*args, **kw, out=out)
+    with tuning.override(**switches(split)):
+        cpa.paged_attention(*args, **kw, out=out)
     assert_close(to_numpy(out), paged_attention_ref(*p.args(), **p.kwargs()), kwargs.get("dtype", "f32"), name)
     print(f"ok  {name}")
 
@@ -89,26 +93,42 @@ PREFILL_CASES = [  # (name, make_prefill_problem keywords, force split-K)
 
 
 def run_prefill(name: str, kwargs: dict, split: bool, rng: np.random.Generator) -> None:
-    prefill._num_sms = (lambda device: 10**6) if split else (lambda device: 1)
     p = make_prefill_problem(rng, **kwargs)
     out = cupy.full(p.query.shape, np.nan, dtype=p.query.dtype)
-    cpa.paged_prefill_attention(*[to_cupy(a) for a in p.args()], **device_kwargs(p, to_cupy), out=out)
+    with tuning.override(**switches(split)):
+        cpa.paged_prefill_attention(*[to_cupy(a) for a in p.args()], **device_kwargs(p, to_cupy), out=out)
     assert_close(to_numpy(out), paged_prefill_attention_ref(*p.args(), **p.kwargs()), kwargs.get("dtype", "f32"),
                  name)
     print(f"ok  {name}")
 
 
 def hostile(rng: np.random.Generator) -> None:
-    """Hostile device data on every decode path (FP32 loop, tensor cores with biases staged or not; single pass and
+    """Hostile device data on every decode path (SIMT kernel, tensor cores with biases staged or not; single pass and
     split, long enough sequences that the split has partitions; a split taken longest first), prefill and the cache
     write."""
-    # (split, dtype, bias dtype): the FP32 loop, split combined in clusters and by the reduction kernel; the tensor
+    # (split, dtype, bias dtype): the SIMT kernel, split combined in clusters and by the combine kernel; the tensor
     # cores, a 16-bit bias staged in shared memory or not
     for split, dtype, bias_dtype in ((False, "f32", "f32"), (True, "f32", "f32"), ("reduce", "f32", "f32"),
                                      (False, "bf16", "f32"), (True, "bf16", "bf16"), (False, "f16", "f16"),
                                      (True, "f16", "f32")):
-        decode._num_sms = (lambda device: 10**6) if split else (lambda device: 1)
-        decode.CLUSTER_COMBINE = split != "reduce"
+        hostile_decode(rng, split, dtype, bias_dtype)
+    # A tail split taken longest first (8 CTAs, 6 slots): lengths clamped before the ranking and each sequence's cut.
+    with tuning.override(**switches(2)):
+        hostile_ranked_split(rng)
+    for split in (False, True):
+        with tuning.override(**switches(split)):
+            hostile_prefill(rng)
+    key = cupy.asarray(rng.standard_normal((4, 2, 64)).astype(np.float16))
+    k_cache = cupy.asarray(rng.standard_normal((3, 16, 2, 64)).astype(np.float16))
+    v_cache = k_cache.copy()
+    for slots in ([3, 48, 2**40, -2], [-1, -1, 47, 0]):
+        cpa.reshape_and_cache(key, key, k_cache, v_cache, cupy.asarray(np.array(slots, np.int64)))
+    cupy.cuda.get_current_stream().synchronize()
+    print("ok  hostile indices (no fault)")
+
+
+def hostile_decode(rng: np.random.Generator, split: bool | str, dtype: str, bias_dtype: str) -> None:
+    with tuning.override(**switches(split)):
         p = make_problem(rng, [400, 300, 200, 100], num_heads=4, num_kv_heads=2, bias="dense", dtype=dtype,
                          bias_dtype=bias_dtype)
         tables = p.block_tables.copy()
@@ -122,16 +142,17 @@ def hostile(rng: np.random.Generator) -> None:
         args, kw = device_args(r, to_cupy)
         total = r.bias_kind.values.shape[0]
         for offsets in ([-50, 46, 2**31 - 1, total - 5, total], [3, 10, 800, 1030, 2**31 - 1]):
-            kw["attn_bias"] = cpa.RaggedBias(to_cupy(r.bias_kind.values), cupy.asarray(np.array(offsets, np.int32)))
+            offsets = cupy.asarray(np.array(offsets, np.int32))
+            kw["attn_bias"] = cpa.RaggedBias(to_cupy(r.bias_kind.values), offsets)
             cpa.paged_attention(*args, **kw)
-        for kind in ("t5-causal", "t5-wide", "t5-many"):  # the FP32 kernel's column and table paths, far keys
+        for kind in ("t5-causal", "t5-wide", "t5-many"):  # the SIMT kernel's column and table paths, far keys
             t = make_problem(rng, [700, 130, 1], num_heads=4, num_kv_heads=2, bias=kind, dtype=dtype)
             args, kw = device_args(t, to_cupy)
             kw["attn_bias"] = hostile_t5_bias(kw["attn_bias"], to_cupy)
             cpa.paged_attention(*args, **kw)
-    # A tail split taken longest first (8 CTAs, 6 slots): lengths clamped before the ranking and each sequence's cut.
-    decode._num_sms = lambda device: 2
-    decode.CLUSTER_COMBINE = True
+
+
+def hostile_ranked_split(rng: np.random.Generator) -> None:
     p = make_problem(rng, [400, 300, 200, 100], num_heads=8, num_kv_heads=2, head_size=128, bias="dense",
                      dtype="bf16", bias_dtype="bf16")
     args, kw = device_args(p, to_cupy)
@@ -142,32 +163,26 @@ def hostile(rng: np.random.Generator) -> None:
     args[3] = cupy.asarray(tables)
     args[4] = cupy.asarray(np.array([400, -5, 10**9, 2**31 - 1], np.int32))
     cpa.paged_attention(*args, **kw)
-    for split in (False, True):
-        prefill._num_sms = (lambda device: 10**6) if split else (lambda device: 1)
-        q = make_prefill_problem(rng, [(40, 10), (30, 30), (20, 5), (10, 10)], num_heads=4, num_kv_heads=2,
-                                 dtype="bf16", bias="dense")
-        args = [to_cupy(a) for a in q.args()]
-        tables = q.block_tables.copy()
-        tables[0, 1], tables[1, 0] = -7, 2**31 - 1
-        args[3] = cupy.asarray(tables)
-        args[4] = cupy.asarray(np.array([40, -5, 10**9, 2**31 - 1], np.int32))
-        args[5] = cupy.asarray(np.array([0, 60, -3, 2**31 - 1, 55], np.int32))  # query_start_loc out of order
-        cpa.paged_prefill_attention(*args, **device_kwargs(q, to_cupy))
-        for max_distance in (128, 3000):  # the CTA's table of relative positions; per logit
-            t = make_prefill_problem(rng, [(300, 300), (50, 9)], num_heads=4, num_kv_heads=4, dtype="bf16",
-                                     causal=False)
-            t.attn_bias = cpa.RelativePositionBias(rng.standard_normal((32, 4)).astype(np.float32), num_buckets=32,
-                                                   max_distance=max_distance, bidirectional=True)
-            kw = device_kwargs(t, to_cupy)
-            kw["attn_bias"] = hostile_t5_bias(kw["attn_bias"], to_cupy)
-            cpa.paged_prefill_attention(*[to_cupy(a) for a in t.args()], **kw)
-    key = cupy.asarray(rng.standard_normal((4, 2, 64)).astype(np.float16))
-    k_cache = cupy.asarray(rng.standard_normal((3, 16, 2, 64)).astype(np.float16))
-    v_cache = k_cache.copy()
-    for slots in ([3, 48, 2**40, -2], [-1, -1, 47, 0]):
-        cpa.reshape_and_cache(key, key, k_cache, v_cache, cupy.asarray(np.array(slots, np.int64)))
-    cupy.cuda.get_current_stream().synchronize()
-    print("ok  hostile indices (no fault)")
+
+
+def hostile_prefill(rng: np.random.Generator) -> None:
+    q = make_prefill_problem(rng, [(40, 10), (30, 30), (20, 5), (10, 10)], num_heads=4, num_kv_heads=2,
+                             dtype="bf16", bias="dense")
+    args = [to_cupy(a) for a in q.args()]
+    tables = q.block_tables.copy()
+    tables[0, 1], tables[1, 0] = -7, 2**31 - 1
+    args[3] = cupy.asarray(tables)
+    args[4] = cupy.asarray(np.array([40, -5, 10**9, 2**31 - 1], np.int32))
+    args[5] = cupy.asarray(np.array([0, 60, -3, 2**31 - 1, 55], np.int32))  # query_start_loc out of order
+    cpa.paged_prefill_attention(*args, **device_kwargs(q, to_cupy))
+    for max_distance in (128, 3000):  # the CTA's table of relative positions; per logit
+        t = make_prefill_problem(rng, [(300, 300), (50, 9)], num_heads=4, num_kv_heads=4, dtype="bf16",
+                                 causal=False)
+        t.attn_bias = cpa.RelativePositionBias(rng.standard_normal((32, 4)).astype(np.float32), num_buckets=32,
+                                               max_distance=max_distance, bidirectional=True)
+        kw = device_kwargs(t, to_cupy)
+        kw["attn_bias"] = hostile_t5_bias(kw["attn_bias"], to_cupy)
+        cpa.paged_prefill_attention(*[to_cupy(a) for a in t.args()], **kw)
 
 
 def main() -> int:

@@ -1,0 +1,212 @@
+"""CPU: the kernel sources compile with NVRTC for sm_80, sm_90 and sm_90a with no GPU present, their keys read well,
+and the host's mirrors of each kernel's geometry equal the kernel's own constants.
+
+The default run compiles a representative specialisation of each kernel family on each architecture; the full sweep
+of every specialisation the library can launch (thousands of kernels, tens of minutes on two cores) is marked
+``sweep``: ``pytest -m sweep``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from cupy_paged_attn import _compile, _specs, planning
+
+ARCHS = ["sm_80", "sm_90"]
+
+#: One specialisation of each family, every bias mode of it (bf16, head size 128: the common serving shape).
+REPRESENTATIVES = {
+    "decode_simt": [_specs.DecodeSimtSpec("bf16", 128, "nhd", 4, bias) for bias in _specs.BIAS_MODES],
+    "decode_simt_cluster": [_specs.DecodeSimtSpec("bf16", 128, "vllm", 1, "t5", cluster=True)],
+    "decode_mma": [_specs.DecodeMmaSpec("bf16", 128, "nhd", bias, 8) for bias in _specs.DECODE_MMA_BIAS_MODES],
+    "prefill_mma": [_specs.PrefillSpec("bf16", 128, "nhd", bias) for bias in _specs.PREFILL_BIAS_MODES],
+    "prefill_simt": [_specs.PrefillSpec("f32", 96, "vllm", "t5")],
+    "prefill_wgmma": [_specs.PrefillSpec("bf16", 128, "nhd", bias, wgmma=True) for bias in _specs.WGMMA_BIAS_MODES],
+    "cache_write": [_specs.CacheWriteSpec("bf16", "nhd", "i32"), _specs.CacheWriteSpec("f16", "vllm", "i64")],
+}
+
+
+def _compile_all(specs: list, arch: str) -> None:
+    """Compile ``specs`` (one kernel family) for ``arch`` in one NVRTC program; every kernel is in the cubin."""
+    targets = {spec.offline_arch(arch) for spec in specs}
+    assert len(targets) == 1 and None not in targets, targets
+    names = list(dict.fromkeys(n for spec in specs for n in spec.name_expressions()))
+    cubin, lowered = _compile.compile_offline(specs[0].source, names, targets.pop())
+    for name in names:
+        assert lowered[name].encode() in cubin, f"{name} missing from the {arch} cubin"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("family", sorted(REPRESENTATIVES))
+def test_each_kernel_family_compiles(family, arch):
+    specs = [s for s in REPRESENTATIVES[family] if s.offline_arch(arch) is not None]
+    if not specs:
+        pytest.skip(f"{family} is not built for {arch}")
+    _compile_all(specs, arch)
+
+
+def _sweep_groups() -> list[tuple[str, str, list]]:
+    """Every specialisation, grouped into programs of one source, dtype, layout and target architecture."""
+    groups: dict[tuple[str, str, str, str], list] = {}
+    for spec in _specs.all_specs():
+        for arch in ARCHS:
+            target = spec.offline_arch(arch)
+            if target is not None:
+                groups.setdefault((spec.source, spec.dtype, spec.layout, target), []).append(spec)
+    return [(f"{src}-{dt}-{lay}-{target}", target, specs) for (src, dt, lay, target), specs in sorted(groups.items())]
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize(("group", "arch", "specs"), _sweep_groups(), ids=[g[0] for g in _sweep_groups()])
+def test_every_specialisation_compiles(group, arch, specs):
+    _compile_all(specs, arch)
+
+
+def test_the_sweep_covers_every_specialisation_once():
+    """The library launches 2,250 specialisations; the sweep compiles each on every architecture it is built for
+    (clusters need sm_90, the Hopper tiling sm_90a, and the rest builds for both sm_80 and sm_90)."""
+    specs = _specs.all_specs()
+    assert len(specs) == len(set(specs)) == len({s.key for s in specs})
+    swept = [(arch, s) for _, arch, group in _sweep_groups() for s in group]
+    assert len(swept) == len(set(swept)) == sum(s.offline_arch(a) is not None for s in specs for a in ARCHS)
+    counts = {kind: sum(isinstance(s, kind) for s in specs) for kind in (_specs.DecodeSimtSpec, _specs.DecodeMmaSpec,
+                                                                          _specs.PrefillSpec, _specs.CacheWriteSpec)}
+    assert counts == {_specs.DecodeSimtSpec: 2 * 3 * 9 * 2 * 4 * 4, _specs.DecodeMmaSpec: 2 * (2 * 7 * 2 * 6 - 2),
+                      _specs.PrefillSpec: 3 * 9 * 2 * 3 + 2 * 2 * 2 * 2, _specs.CacheWriteSpec: 12}
+
+
+def test_sources_inline_their_headers_once():
+    for spec in (REPRESENTATIVES[f][0] for f in REPRESENTATIVES):
+        text = _compile.kernel_source(spec.source)
+        assert "#include \"" not in text and "namespace cpa" in text
+        assert text.count("__device__ __forceinline__ float inf()") == 1  # common.cuh, through several headers
+        assert spec.source == "cache_write.cu" or text.count("struct PagedCache {") == 1
+
+
+def test_keys_and_name_expressions_are_readable():
+    spec = _specs.DecodeSimtSpec("bf16", 128, "nhd", 4, "t5")
+    assert spec.key == "decode_simt_bf16_d128_nhd_g4_bias-t5"
+    assert spec.name_expressions() == (
+        "cpa::decode_simt<__nv_bfloat16, 128, cpa::KvLayout::kNHD, 4, cpa::T5Bias, false>",
+        "cpa::decode_simt_combine<__nv_bfloat16, 128>")
+    assert _specs.DecodeSimtSpec("f16", 64, "vllm", 1, "dense", cluster=True).key == \
+        "decode_simt_f16_d64_vllm_g1_bias-dense_cluster"
+    mma = _specs.DecodeMmaSpec("f16", 64, "vllm", "ragged-rows", 16)
+    assert mma.key == "decode_mma_f16_d64_vllm_r16_bias-ragged-rows"
+    assert mma.name_expressions() == ("cpa::decode_mma<__half, 64, cpa::KvLayout::kVLLM, cpa::RaggedRowsBias, 16>",
+                                      "cpa::tile_combine<__half, 64, 16>")
+    prefill = _specs.PrefillSpec("bf16", 256, "nhd", "dense")
+    assert prefill.key == "prefill_mma_bf16_d256_nhd_bias-dense"
+    assert prefill.name_expressions() == (
+        "cpa::prefill_mma<__nv_bfloat16, 256, cpa::KvLayout::kNHD, cpa::DenseBias>",
+        "cpa::tile_combine<__nv_bfloat16, 256, 64>", "cpa::prefill_plan")
+    assert _specs.PrefillSpec("f32", 64, "nhd", "none").key == "prefill_simt_f32_d64_nhd_bias-none"
+    assert _specs.PrefillSpec("f16", 64, "nhd", "t5", wgmma=True).name_expressions()[0] == \
+        "cpa::prefill_wgmma<__half, 64, cpa::KvLayout::kNHD, cpa::T5Bias>"
+    assert _specs.CacheWriteSpec("f16", "vllm", "i64").key == "cache_write_f16_vllm_slot-i64"
+
+
+def test_compile_failure_carries_the_nvrtc_log():
+    with pytest.raises(RuntimeError, match=r"NVRTC compilation failed:[\s\S]*no_such_kernel"):
+        _compile.compile_offline("cache_write.cu", ["cpa::no_such_kernel<float>"], "sm_90")
+
+
+def test_shared_memory_fits_the_ctas_per_sm():
+    """Two CTAs of the largest prefill specialisation fit one H100/H200 SM (227 KB per CTA, 228 KB per SM), and the
+    decode tiling's CTAs per SM fit likewise (three of 8 rows at head size 128, with two K/V stages)."""
+    assert max(_specs.tile_smem_bytes(dt, d) for dt in ("f16", "bf16") for d in _specs.HEAD_SIZES) <= 113 * 1024
+    for rows, d in itertools.product(_specs.DECODE_ROWS, _specs.DECODE_MMA_HEAD_SIZES):
+        assert _specs.decode_ctas_per_sm(d, rows) * (_specs.tile_smem_bytes("bf16", d, rows) + 1024) <= 227 * 1024
+    assert _specs.decode_ctas_per_sm(128, 8) == 3 and _specs.decode_stages(128, 8) == 2
+    assert _specs.decode_ctas_per_sm(128, 16) == 2 and _specs.decode_stages(128, 16) == 3
+    assert _specs.tile_smem_bytes("f32", 128) == 0
+
+
+def _tile_mirrors() -> list[str]:
+    t = _specs.CUDA_TYPES
+    checks = []
+    for dt, d, rows in itertools.product(("f16", "bf16"), _specs.HEAD_SIZES, (0, *_specs.DECODE_ROWS)):
+        if rows and d not in _specs.DECODE_MMA_HEAD_SIZES:
+            continue
+        layout = f"cpa::TileLayout<{t[dt]}, {d}, {rows}>"
+        checks += [f"static_assert({layout}::kSmemBytes == {_specs.tile_smem_bytes(dt, d, rows)}, "
+                   f"\"smem {dt} d{d} rows{rows}\");",
+                   f"static_assert({layout}::TILE_N == {_specs.tile_keys(d, rows)}, \"tile d{d}\");",
+                   f"static_assert({layout}::ROWS == {_specs.rows_per_cta(d, rows)}, \"rows d{d} {rows}\");",
+                   f"static_assert({layout}::MT == {_specs.m_tiles(d, rows)}, \"m tiles d{d}\");",
+                   f"static_assert({layout}::THREADS == {_specs.TILE_THREADS}, \"threads\");"]
+        if rows:
+            checks += [f"static_assert({layout}::kCtasPerSm == {_specs.decode_ctas_per_sm(d, rows)}, "
+                       f"\"ctas d{d} rows{rows}\");",
+                       f"static_assert({layout}::STAGES == {_specs.decode_stages(d, rows)}, \"stages d{d} {rows}\");"]
+    checks += [f"static_assert(cpa::kRelTableMax == {_specs.REL_TABLE}, \"t5 table\");",
+               f"static_assert(cpa::kCombineThreads == {_specs.COMBINE_THREADS}, \"combine\");",
+               f"static_assert(cpa::kCombineBatch == {_specs.COMBINE_BATCH}, \"combine batch\");"]
+    checks += [f"static_assert(cpa::combine_groups({n}) == {_specs.combine_groups(n)}, \"groups {n}\");"
+               for n in range(1, 80)]
+    checks += [f"static_assert(cpa::combine_vec({n}) == {_specs.combine_vec(n)}, \"vec {n}\");" for n in range(1, 80)]
+    return checks
+
+
+def test_host_mirrors_of_kernel_constants():
+    """What the host computes about a kernel (shared memory to reserve, threads, CTAs per SM, key tile, rows per CTA)
+    equals the kernel's own constants, for every specialisation: static_asserts compiled by NVRTC. A mismatch in
+    shared memory would launch a CTA with less than it uses."""
+    t = _specs.CUDA_TYPES
+    prefill = [*_tile_mirrors(),
+               f"static_assert(cpa::kSimtThreads == {_specs.SIMT_PREFILL_THREADS}, \"simt threads\");",
+               f"static_assert(cpa::kSimtRowsPerCta == {_specs.SIMT_PREFILL_ROWS}, \"simt rows\");",
+               f"static_assert(cpa::kPrefillPlanThreads == {_specs.PREFILL_PLAN_THREADS}, \"plan\");"]
+    _compile.compile_offline("prefill.cu", [], "sm_90", "\n" + "\n".join(prefill) + "\n")
+
+    hopper = []
+    for dt, d in itertools.product(("f16", "bf16"), _specs.WGMMA_HEAD_SIZES):
+        layout = f"cpa::TileLayout<{t[dt]}, {d}, 0, true>"
+        hopper += [f"static_assert({layout}::kSmemBytes == {_specs.tile_smem_bytes(dt, d, wgmma=True)}, "
+                   f"\"hopper smem {dt} d{d}\");",
+                   f"static_assert({layout}::TILE_N == {_specs.tile_keys(d, wgmma=True)}, \"tile\");",
+                   f"static_assert({layout}::ROWS == {_specs.WGMMA_ROWS}, \"rows\");",
+                   f"static_assert({layout}::THREADS == {_specs.WGMMA_THREADS}, \"threads\");"]
+    _compile.compile_offline("prefill_wgmma.cu", [], "sm_90a", "\n" + "\n".join(hopper) + "\n")
+
+    decode = [f"static_assert(cpa::kDecodeThreads == {_specs.DECODE_SIMT_THREADS}, \"threads\");",
+              f"static_assert(cpa::kT5NearDistances == {_specs.DECODE_T5_NEAR_DISTANCES}, \"t5 near\");",
+              f"static_assert(cpa::kDecodeCombineThreads == {_specs.DECODE_COMBINE_THREADS}, \"combine\");",
+              f"static_assert(cpa::kMaxLongestFirstSeqs == {_specs.MAX_LONGEST_FIRST_SEQS}, \"ranking\");",
+              f"static_assert(cpa::kMaxClusterParts == {_specs.DECODE_CLUSTER_MAX_PARTS}, \"cluster\");",
+              f"static_assert(cpa::kClusterMinCtas == {_specs.DECODE_CLUSTER_MIN_CTAS}, \"cluster\");"]
+    for dt, d, g in itertools.product(t, _specs.HEAD_SIZES, _specs.HEADS_PER_CTA):
+        layout = f"cpa::DecodeLayout<{t[dt]}, {d}, {g}>"
+        spec = _specs.DecodeSimtSpec(dt, d, "nhd", g, "t5")
+        decode += [f"static_assert({layout}::kSmemBytes == {_specs.DECODE_SIMT_SMEM_BYTES}, \"{dt} d{d}\");",
+                   f"static_assert({layout}::kSmemBytes + {layout}::kNearBytes == {spec.smem_bytes}, \"t5\");",
+                   f"static_assert({_specs.DECODE_SIMT_TILE_MULTIPLE} % {layout}::TILE == 0, \"tile\");",
+                   f"static_assert({layout}::kMinCtas == {spec.max_ctas_per_sm}, \"ctas g{g}\");"]
+    _compile.compile_offline("decode_simt.cu", [], "sm_90", "\n" + "\n".join(decode) + "\n")
+    _compile.compile_offline("cache_write.cu", [], "sm_90",
+                             f"\nstatic_assert(cpa::kCacheThreads == {_specs.CACHE_WRITE_THREADS}, \"threads\");\n")
+
+
+def test_host_mirror_check_catches_a_mismatch():
+    """The static_assert route above fails loudly when host and kernel disagree."""
+    wrong = "\nstatic_assert(cpa::TileLayout<__half, 64, 8>::kSmemBytes == 1, \"smem mirror\");\n"
+    with pytest.raises(RuntimeError, match="smem mirror"):
+        _compile.compile_offline("decode_mma.cu", [], "sm_90", wrong)
+
+
+def test_planning_names_only_specialisations_that_exist():
+    """Whatever shape planning sees, the kernel it names is one of the specialisations the sweep compiles."""
+    known = set(_specs.all_specs())
+    device = planning.Device.h200()
+    for dt, d, heads, bias, layout in itertools.product(("f32", "f16", "bf16"), _specs.HEAD_SIZES,
+                                                        ((16, 16), (32, 8), (40, 2), (8, 1)),
+                                                        ("none", "dense", "ragged", "t5"), _specs.KV_LAYOUTS):
+        for num_seqs, max_len in ((1, 1024), (64, 2048), (256, 65536)):
+            shape = planning.DecodeShape(num_seqs, heads[0], heads[1], d, max_len, dt, layout, bias, bias_dtype=dt)
+            assert planning.plan_decode(shape, device).spec in known
+            if bias != "ragged":
+                prefill = planning.PrefillShape(num_seqs, heads[0], heads[1], d, max_len, dt, layout, bias,
+                                                bias_dtype=dt, t5_max_distance=128, total_q=num_seqs * 300)
+                assert planning.plan_prefill(prefill, device).spec in known
