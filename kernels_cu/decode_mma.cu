@@ -144,7 +144,7 @@ decode_mma(
   c.keys(cta, seq_bias.limit(clamped_len(seq_lens, c.s, max_len)), part, tokens_per_part, num_parts, balanced);
   if (c.kstart != first_key) first_ids = nullptr;  // (the ids copied start at first_key)
   c.span(causal);
-  const TileRows<NR> rows = tile_rows(c, q_limit, causal, 0, 0, alibi_slopes);
+  const TileRows<NR> rows = tile_rows(c, q_limit, causal, RelTable{}, alibi_slopes);
   const int far_after = bias_m > 0 ? bias_n : 0;
 
   const Cache cache{key_cache, value_cache, cache_block_stride, num_kv_heads, block_shift};
@@ -258,11 +258,7 @@ decode_mma(
   // columns 16dm ...) and n tile nh (rows 8nh ...) at acc[0][dm·NH + nh], element e is column 16dm + qr + 8(e / 2) of
   // row 8nh + 2qc + (e & 1).
   float m[NR], l[NR];
-#pragma unroll
-  for (int hf = 0; hf < NR; ++hf) {
-    m[hf] = -inf();
-    l[hf] = 0.0f;
-  }
+  start_rows(m, l);
   constexpr int ACC_N = KSTEPS * NH;
   float acc[1][ACC_N][4];
   zero_fragments(acc);
@@ -300,16 +296,7 @@ decode_mma(
   }
 
   // ---- Prologue: the first tiles' pages and copies, then T5's tables.
-  if (c.num_tiles > 0) {  // (uniform over the CTA)
-#pragma unroll
-    for (int u = 0; u <= AHEAD; ++u) {
-      pages.load_id(true, c.kstart + u * TILE_N);
-      pages.store_page(u, c.kstart + u * TILE_N);
-    }
-    __syncthreads();  // the first tiles' page offsets are visible to every thread's copies
-#pragma unroll
-    for (int u = 0; u < AHEAD; ++u) copies.issue_tile(u, c.num_tiles, c.kstart, stage_bias);
-  }
+  start_tiles(pages, copies, c.num_tiles, c.kstart, stage_bias);
   if constexpr (kT5) {
     if (t5_tables) {
 #pragma unroll

@@ -267,6 +267,25 @@ struct TileCta {
   }
 };
 
+// Prefill's T5 table (rel_s): T5's bias depends on (head, j − p) only, and is the same for every |j − p| >= max_distance
+// (bias_n) on a side, so one table in shared memory serves the whole CTA. Entry (g, w) is head kvh·G + g's bias at
+// relative position w − half, base 2, for w < w_len = 2·half + 1. Every (row, key) pair of a near tile (far_kind 0)
+// lies within ±half, so a row reads its entries of a tile at fixed offsets from one address (add_rel_table). Built
+// once, before the first tile; not used (a load chain per logit instead) where it would pass REL_TABLE floats
+// (large groups or max_distance). Decode has none (RelTable{}).
+struct RelTable {
+  int half = 0, w_len = 0;
+  bool used = false;
+};
+
+template <bool kT5, typename L>
+__device__ __forceinline__ RelTable rel_table(const TileCta<L>& c, int bias_n) {
+  const int G = c.G, p_first = c.p_first, p_last = c.p_last;
+  const int half = min(bias_n, L::REL_TABLE) + L::TILE_N + p_last - p_first;
+  const int w_len = 2 * half + 1;
+  return {half, w_len, kT5 && bias_n <= L::REL_TABLE && G * w_len <= L::REL_TABLE};
+}
+
 // This thread's fragment rows: per row, its query token i, head h, position p, key range end, T5 table offset (rel_s
 // entry of relative position −p), whether it is written, and its ALiBi slope (base 2); over the warp, the least end
 // of a written row (tiles below it need no mask) and the greatest (keys from it on are keys of no row: skipped).
@@ -279,8 +298,8 @@ struct TileRows {
 };
 
 template <typename L>
-__device__ __forceinline__ TileRows<L::NR> tile_rows(const TileCta<L>& c, int q_limit, int causal, int rel_w,
-                                                     int rel_half, const float* __restrict__ alibi_slopes) {
+__device__ __forceinline__ TileRows<L::NR> tile_rows(const TileCta<L>& c, int q_limit, int causal, RelTable rel,
+                                                     const float* __restrict__ alibi_slopes) {
   TileRows<L::NR> r;
   r.warp_min_end = 1 << 30;
   r.warp_end = c.kstart;
@@ -295,7 +314,7 @@ __device__ __forceinline__ TileRows<L::NR> tile_rows(const TileCta<L>& c, int q_
     r.h[hf] = c.kvh * c.G + g;
     r.p[hf] = keys ? c.pos0 + i : c.p_last;
     r.end[hf] = keys ? (causal ? min(c.kend, c.pos0 + i + 1) : c.kend) : c.kstart;
-    r.off[hf] = g * rel_w + rel_half - r.p[hf];
+    r.off[hf] = g * rel.w_len + rel.half - r.p[hf];
     r.slope2[hf] = alibi_slopes != nullptr && r.written[hf] ? alibi_slopes[r.h[hf]] * kLog2e : 0.0f;
     if (r.written[hf]) {
       r.warp_min_end = min(r.warp_min_end, r.end[hf]);
@@ -370,16 +389,15 @@ __device__ __forceinline__ void load_q_tile(uint4* q_s, const T* __restrict__ qu
   }
 }
 
-// Prefill's T5 table rel_s [G][rel_w]: entry (g, w) is head kvh·G + g's bias at relative position w − rel_half, base
-// 2 (prefill.cu explains the table). Visible after the barrier before the first tile.
+// Prefill's T5 table rel_s [G][w_len] (RelTable). Visible after the barrier before the first tile.
 template <typename L, typename Bias>
 __device__ __forceinline__ void fill_rel_table(float* rel_s, const Bias& bias, const typename Bias::Seq& seq_bias,
-                                               const TileCta<L>& c, int rel_w, int rel_half) {
+                                               const TileCta<L>& c, RelTable rel) {
 #pragma unroll 4
-  for (int e = c.tid; e < c.G * rel_w; e += L::THREADS) {
-    const int g = e / rel_w;
-    const int w = e % rel_w;
-    rel_s[e] = bias.value(seq_bias.load(c.kvh * c.G + g, 0, 0, w - rel_half)) * kLog2e;
+  for (int e = c.tid; e < c.G * rel.w_len; e += L::THREADS) {
+    const int g = e / rel.w_len;
+    const int w = e % rel.w_len;
+    rel_s[e] = bias.value(seq_bias.load(c.kvh * c.G + g, 0, 0, w - rel.half)) * kLog2e;
   }
 }
 
@@ -507,6 +525,33 @@ struct TileCopies {
   // Bit u % 32 of ok_bits: whether this thread's copies of tile u all lay in the cache.
   __device__ __forceinline__ unsigned tile_ok(int u) const { return (ok_bits >> (u % 32)) & 1u; }
 };
+
+// The pipeline's start: the page offsets of tiles 0 ... AHEAD, then the copies of tiles 0 ... AHEAD − 1 (each after
+// extra(st, t0)'s, as issue_tile). Uniform over the CTA (num_tiles is): every thread reaches the barrier or none.
+template <typename L, typename Cache, typename Extra>
+__device__ __forceinline__ void start_tiles(TilePages<L, Cache>& pages, TileCopies<L, Cache>& copies, int num_tiles,
+                                            int kstart, Extra&& extra) {
+  if (num_tiles > 0) {
+#pragma unroll
+    for (int u = 0; u <= L::AHEAD; ++u) {
+      pages.load_id(true, kstart + u * L::TILE_N);
+      pages.store_page(u, kstart + u * L::TILE_N);
+    }
+    __syncthreads();  // the first tiles' page offsets are visible to every thread's copies
+#pragma unroll
+    for (int u = 0; u < L::AHEAD; ++u) copies.issue_tile(u, num_tiles, kstart, extra);
+  }
+}
+
+// The running state of this thread's rows before any key: m = −inf (base 2), l = 0.
+template <int NR>
+__device__ __forceinline__ void start_rows(float (&m)[NR], float (&l)[NR]) {
+#pragma unroll
+  for (int hf = 0; hf < NR; ++hf) {
+    m[hf] = -inf();
+    l[hf] = 0.0f;
+  }
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Bias bits of a tile's logits for this thread's fragment (rows qr, qr + 8; keys key0 + 8nt + 2qc + {0, 1}) of a

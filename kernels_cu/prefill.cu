@@ -62,15 +62,8 @@ __global__ void __launch_bounds__(TileLayout<T, HEAD, 0>::THREADS, TileLayout<T,
   c.keys(cta, seq_bias.limit(clamped_len(seq_lens, c.s, max_len)), part, tokens_per_part, num_parts, false);
   c.span(causal);
 
-  // T5 through one table in shared memory for the whole CTA: the bias depends on (head, j − p) only, and is the
-  // same for every |j − p| >= max_distance (bias_n) on a side. Entry (g, w) of rel_s: head kvh·G + g at relative
-  // position w − rel_half, base 2. Every (row, key) pair of a near tile (far_kind 0) lies within ±rel_half, so a row
-  // reads its entries of a tile at fixed offsets from one address (add_rel_table). Built once, before the first
-  // tile. A table past REL_TABLE (large groups or max_distance): one load chain per logit.
-  const int rel_half = min(bias_n, REL_TABLE) + TILE_N + c.p_last - c.p_first;
-  const int rel_w = 2 * rel_half + 1;
-  const bool use_rel = kT5 && bias_n <= REL_TABLE && c.G * rel_w <= REL_TABLE;
-  const TileRows<NR> rows = tile_rows(c, q_limit, causal, rel_w, rel_half, alibi_slopes);
+  const RelTable rel = rel_table<kT5>(c, bias_n);  // T5 through one table for the whole CTA, where it fits
+  const TileRows<NR> rows = tile_rows(c, q_limit, causal, rel, alibi_slopes);
   const int far_after = bias_m > 0 ? bias_n : 0;
   fill_far<kT5>(c, rows, bias, seq_bias, far_s, bias_n, far_after);
 
@@ -78,7 +71,7 @@ __global__ void __launch_bounds__(TileLayout<T, HEAD, 0>::THREADS, TileLayout<T,
   const int* table = block_tables + c.s * block_table_stride;
   const int block_mask = (1 << block_shift) - 1;
   load_q_tile(q_s, query, q_stride_t, q_stride_h, q_vec, c);
-  if (use_rel) fill_rel_table<L>(rel_s, bias, seq_bias, c, rel_w, rel_half);
+  if (rel.used) fill_rel_table<L>(rel_s, bias, seq_bias, c, rel);
   TilePages<L, Cache> pages{page_s, table, table, 0, c.tid, c.loop_end, block_shift, block_mask, num_blocks,
                             c.kvh, cache_block_stride, cache};
   TileCopies<L, Cache> copies{kv_s, page_s, nullptr, nullptr, cache, c.tid, c.kvh, block_mask, cache_block_stride};
@@ -86,11 +79,7 @@ __global__ void __launch_bounds__(TileLayout<T, HEAD, 0>::THREADS, TileLayout<T,
 
   // Running state of this thread's rows: m (base 2), l (this thread's share), acc = O (MT x NT_O C fragments).
   float m[NR], l[NR];
-#pragma unroll
-  for (int hf = 0; hf < NR; ++hf) {
-    m[hf] = -inf();
-    l[hf] = 0.0f;
-  }
+  start_rows(m, l);
   float acc[MT][L::NT_O][4];
   zero_fragments(acc);
   // A dense bias: its bits of a tile's logits are loaded as the tile starts, to travel during its S = Q·Kᵀ.
@@ -101,16 +90,7 @@ __global__ void __launch_bounds__(TileLayout<T, HEAD, 0>::THREADS, TileLayout<T,
   }
 
   auto no_extra = [](int, int) {};
-  if (c.num_tiles > 0) {  // (uniform over the CTA)
-#pragma unroll
-    for (int u = 0; u <= AHEAD; ++u) {
-      pages.load_id(true, c.kstart + u * TILE_N);
-      pages.store_page(u, c.kstart + u * TILE_N);
-    }
-    __syncthreads();  // the first tiles' page offsets are visible to every thread's copies
-#pragma unroll
-    for (int u = 0; u < AHEAD; ++u) copies.issue_tile(u, c.num_tiles, c.kstart, no_extra);
-  }
+  start_tiles(pages, copies, c.num_tiles, c.kstart, no_extra);
   __syncthreads();  // Q_s, far_s and rel_s are complete before the warps read them
 
   unsigned qa[L::kQInRegs ? L::KSTEPS : 1][4];  // Q's A fragments, where they stay in registers
@@ -144,7 +124,7 @@ __global__ void __launch_bounds__(TileLayout<T, HEAD, 0>::THREADS, TileLayout<T,
         scale_logits<L>(sacc, scale2);
       } else if (const int far = far_kind<kT5, TILE_N>(c, t0, bias_n, far_after); far != 0) {
         add_far_constants<L>(sacc, scale2, far_s, far, c);
-      } else if (use_rel) {
+      } else if (rel.used) {
         add_rel_table<L>(sacc, scale2, rel_s, rows, t0, c.key0, c.qc);
       } else {
         add_bias_bits<L>(sacc, scale2, bias, seq_bias, braw, rows, t0, c.key0, c.qc);

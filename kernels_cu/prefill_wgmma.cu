@@ -60,13 +60,11 @@ prefill_wgmma(
   c.keys(cta, seq_bias.limit(clamped_len(seq_lens, c.s, max_len)), part, tokens_per_part, num_parts, false);
   c.span(causal);
 
-  // T5's table (prefill.cu): this tiling has no per-logit path (its registers would cost head size 128's budget some
+  // T5's table (RelTable): this tiling has no per-logit path (its registers would cost head size 128's budget some
   // 200 bytes of spills), so the host sends it only problems whose table fits (planning.py, t5_table_fits).
-  const int rel_half = min(bias_n, REL_TABLE) + TILE_N + c.p_last - c.p_first;
-  const int rel_w = 2 * rel_half + 1;
-  const bool use_rel = kT5 && bias_n <= REL_TABLE && c.G * rel_w <= REL_TABLE;
-  if (kT5 && !use_rel) __trap();  // (unreachable)
-  const TileRows<NR> rows = tile_rows(c, q_limit, causal, rel_w, rel_half, alibi_slopes);
+  const RelTable rel = rel_table<kT5>(c, bias_n);
+  if (kT5 && !rel.used) __trap();  // (unreachable)
+  const TileRows<NR> rows = tile_rows(c, q_limit, causal, rel, alibi_slopes);
   const int far_after = bias_m > 0 ? bias_n : 0;
   fill_far<kT5>(c, rows, bias, seq_bias, far_s, bias_n, far_after);
 
@@ -74,7 +72,7 @@ prefill_wgmma(
   const int* table = block_tables + c.s * block_table_stride;
   const int block_mask = (1 << block_shift) - 1;
   load_q_tile(q_s, query, q_stride_t, q_stride_h, q_vec, c);
-  if (use_rel) fill_rel_table<L>(rel_s, bias, seq_bias, c, rel_w, rel_half);
+  if (rel.used) fill_rel_table<L>(rel_s, bias, seq_bias, c, rel);
   TilePages<L, Cache> pages{page_s, table, table, 0, c.tid, c.loop_end, block_shift, block_mask, num_blocks,
                             c.kvh, cache_block_stride, cache};
   TileCopies<L, Cache> copies{kv_s, page_s, nullptr, nullptr, cache, c.tid, c.kvh, block_mask, cache_block_stride};
@@ -82,25 +80,12 @@ prefill_wgmma(
 
   // Running state of this thread's rows: m (base 2), l (this thread's share), acc = O (one m tile per warp).
   float m[NR], l[NR];
-#pragma unroll
-  for (int hf = 0; hf < NR; ++hf) {
-    m[hf] = -inf();
-    l[hf] = 0.0f;
-  }
+  start_rows(m, l);
   float acc[1][NT_O][4];
   zero_fragments(acc);
 
   auto no_extra = [](int, int) {};
-  if (c.num_tiles > 0) {  // (uniform over the CTA)
-#pragma unroll
-    for (int u = 0; u <= AHEAD; ++u) {
-      pages.load_id(true, c.kstart + u * TILE_N);
-      pages.store_page(u, c.kstart + u * TILE_N);
-    }
-    __syncthreads();  // the first tiles' page offsets are visible to every thread's copies
-#pragma unroll
-    for (int u = 0; u < AHEAD; ++u) copies.issue_tile(u, c.num_tiles, c.kstart, no_extra);
-  }
+  start_tiles(pages, copies, c.num_tiles, c.kstart, no_extra);
   fence_proxy_async();  // Q_s (ordinary stores) is read by wgmma, the async proxy
   __syncthreads();      // Q_s, far_s and rel_s are complete before the warps read them
   const int group = c.warp / (kWarpgroupThreads / kWarpSize);  // this thread's warpgroup
