@@ -2,12 +2,10 @@
 
 Run: python examples/quickstart_cupy.py
 
-Needs a CUDA GPU and CuPy (``pip install 'cupy-paged-attn[cuda12]'``, or ``[cuda13]``); without them it prints
-"cannot run: ..." and exits 3 (0 with
-``--skip-missing``). Builds the paged cache with ``reshape_and_cache``, calls ``paged_attention`` and checks
-the result against the float64 NumPy reference.
+Needs a CUDA GPU and CuPy (``pip install 'cupy-paged-attn[cuda12]'``, or ``[cuda13]``); without them it prints "cannot
+run: ..." and exits 3 (0 with ``--skip-missing``). Builds the paged cache with ``reshape_and_cache``, calls
+``paged_attention`` and checks the result against the float64 NumPy reference.
 """
-
 
 import numpy as np
 from _missing import cannot_run

@@ -3,9 +3,9 @@
 Run: python examples/quickstart_jax.py
 
 Needs a CUDA GPU, JAX with CUDA (``pip install 'jax[cuda12]'``) and CuPy (``pip install 'cupy-paged-attn[cuda12]'``);
-without them it prints "cannot run: ..." and exits 3 (0 with
-``--skip-missing``). Block tables, seq_lens and slots are int32 (JAX's default
-integer). JAX arrays are immutable: ``reshape_and_cache`` returns new caches, and ``out=`` is not accepted.
+without them it prints "cannot run: ..." and exits 3 (0 with ``--skip-missing``). Block tables, seq_lens and slots are
+int32 (JAX's default integer). JAX arrays are immutable: ``reshape_and_cache`` returns new caches, and ``out=`` is not
+accepted.
 """
 
 import importlib.util

@@ -2,10 +2,9 @@
 
 Run: python examples/quickstart_torch.py
 
-Needs a CUDA GPU, PyTorch with CUDA and CuPy (``pip install 'cupy-paged-attn[cuda12]'``, or ``[cuda13]``);
-without them it prints "cannot run: ..." and exits 3 (0 with
-``--skip-missing``). Calls ``paged_attention`` plainly, then into ``out=`` on a side
-stream under ``torch.cuda.stream``, and checks both against the float64 NumPy reference.
+Needs a CUDA GPU, PyTorch with CUDA and CuPy (``pip install 'cupy-paged-attn[cuda12]'``, or ``[cuda13]``); without them
+it prints "cannot run: ..." and exits 3 (0 with ``--skip-missing``). Calls ``paged_attention`` plainly, then into
+``out=`` on a side stream under ``torch.cuda.stream``, and checks both against the float64 NumPy reference.
 """
 
 import importlib.util

@@ -1,5 +1,7 @@
-"""The serving-loop example runs on the CPU (NumPy path) as a subprocess, small and fast, and ends with its check
-line; an example that cannot run here says why and exits 3, or 0 with --skip-missing."""
+"""The examples as subprocesses: the serving loop on the CPU (NumPy path), small and fast, ending with its check line;
+an example that cannot run here says why and exits 3, or 0 with --skip-missing; on a GPU, each quickstart checks its
+result against the float64 reference and prints OK (the serving loop and T5 generation run there in
+benchmarks/gpu.sh, at full size)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_example(*args: str) -> subprocess.CompletedProcess:
+def run_example(*args: str, timeout: int = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def test_serving_loop_on_the_cpu():
@@ -39,3 +42,13 @@ def test_an_example_that_cannot_run_says_why(example):
     assert "--skip-missing" in done.stderr
     skipped = run_example(f"examples/{example}.py", "--skip-missing")
     assert skipped.returncode == 0 and skipped.stdout.startswith("skipped: "), skipped.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("example", ["quickstart_cupy", "quickstart_torch", "quickstart_jax"])
+def test_quickstart_on_the_gpu(example):
+    done = run_example(f"examples/{example}.py", timeout=300)
+    if done.returncode == 3:  # a framework missing on this GPU machine
+        pytest.skip(done.stderr.strip())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "OK", done.stdout
