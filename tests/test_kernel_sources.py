@@ -49,13 +49,14 @@ def test_each_kernel_family_compiles(family, arch):
 
 def _sweep_groups() -> list[tuple[str, str, list]]:
     """Every specialisation, grouped into programs of one source, dtype, layout and target architecture."""
-    groups: dict[tuple[str, str, str, str], list] = {}
+    groups: dict[tuple[str, str, str, str, str], list] = {}
     for spec in _specs.all_specs():
         for arch in ARCHS:
             target = spec.offline_arch(arch)
             if target is not None:
-                groups.setdefault((spec.source, spec.dtype, spec.layout, target), []).append(spec)
-    return [(f"{src}-{dt}-{lay}-{target}", target, specs) for (src, dt, lay, target), specs in sorted(groups.items())]
+                groups.setdefault((spec.source, spec.dtype, spec.layout, target, arch), []).append(spec)
+    return [(f"{src}-{dt}-{lay}-{target}", arch, specs)
+            for (src, dt, lay, target, arch), specs in sorted(groups.items())]
 
 
 @pytest.mark.sweep
@@ -70,6 +71,7 @@ def test_the_sweep_covers_every_specialisation_once():
     specs = _specs.all_specs()
     assert len(specs) == len(set(specs)) == len({s.key for s in specs})
     swept = [(arch, s) for _, arch, group in _sweep_groups() for s in group]
+    assert all(s.offline_arch(arch) is not None for arch, s in swept), "a sweep group names an architecture it skips"
     assert len(swept) == len(set(swept)) == sum(s.offline_arch(a) is not None for s in specs for a in ARCHS)
     counts = {kind: sum(isinstance(s, kind) for s in specs) for kind in (_specs.DecodeSimtSpec, _specs.DecodeMmaSpec,
                                                                           _specs.PrefillSpec, _specs.CacheWriteSpec)}
