@@ -429,12 +429,14 @@ def check_host_data(problem: DecodeProblem) -> None:
     the GPU path with ``validate=True``. Each ValueError names the first offending sequence."""
     seq_lens = np.asarray(problem.seq_lens)
     tables = np.asarray(problem.block_tables)
+    capacity = problem.max_blocks_per_seq * problem.cache.block_size
     for s, n in enumerate(seq_lens.tolist()):
-        if n < 0 or n > problem.max_len:
-            limit = "max_blocks_per_seq * block_size"
-            if problem.bias.length is not None:
-                limit += " and the bias length L"
-            raise ValueError(f"seq_lens: sequence {s} has length {n}, outside [0, {problem.max_len}] ({limit})")
+        if n < 0 or n > capacity:
+            raise ValueError(f"seq_lens: sequence {s} has length {n}, outside [0, {capacity}] "
+                             "(max_blocks_per_seq * block_size)")
+        if problem.bias.length is not None and n > problem.bias.length:
+            raise ValueError(f"attn_bias: sequence {s} has {n} keys (seq_lens[{s}]) but the bias covers "
+                             f"L = {problem.bias.length} (its last dimension)")
         used = tables[s, : -(-n // problem.cache.block_size)]
         bad = (used < 0) | (used >= problem.cache.num_blocks)
         if bad.any():

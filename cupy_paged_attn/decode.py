@@ -493,9 +493,9 @@ def paged_attention(
         dtype, block_tables, seq_lens and offsets int32, bias values float, alibi_slopes float32); caches
         contiguous within a page, 16-byte aligned, with the vLLM ``x`` matching the dtype; ``kv_layout``; a finite
         ``scale``; all arrays on one device; a torch tensor on the CPU. On the NumPy path (and with
-        ``validate=True``) also the data: seq_lens within ``[0, max_blocks_per_seq * block_size]`` (and ``<= L``
-        with a dense bias), the used block ids within ``[0, num_blocks)``, and a RaggedBias's rows of every
-        sequence within ``values``.
+        ``validate=True``) also the data: seq_lens within ``[0, max_blocks_per_seq * block_size]``, a dense
+        bias at least ``seq_lens[s]`` keys long (the error names ``attn_bias``), the used block ids within
+        ``[0, num_blocks)``, and a RaggedBias's rows of every sequence within ``values``.
     NotImplementedError
         A head_size or block_size outside the supported sets; a dense bias or RaggedBias values whose keys lie
         2**31 bytes or more apart (the kernels step from key to key by a 32-bit byte count).

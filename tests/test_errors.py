@@ -413,10 +413,9 @@ DECODE_DATA_ERRORS = [
                 r"\(max_blocks_per_seq \* block_size\)$", attn_bias=None,
                 seq_lens=lambda a: replaced(a["seq_lens"], 2, 25)),
     decode_case("seq_lens-past-capacity-with-bias", ValueError, r"seq_lens: sequence 2 has length 25, outside "
-                r"\[0, 24\] \(max_blocks_per_seq \* block_size and the bias length L\)",
-                seq_lens=lambda a: replaced(a["seq_lens"], 2, 25)),
-    decode_case("seq_lens-past-bias-length", ValueError, r"seq_lens: sequence 1 has length 13, outside \[0, 12\] "
-                r"\(max_blocks_per_seq \* block_size and the bias length L\)",
+                r"\[0, 24\] \(max_blocks_per_seq \* block_size\)$", seq_lens=lambda a: replaced(a["seq_lens"], 2, 25)),
+    decode_case("seq_lens-past-bias-length", ValueError, r"attn_bias: sequence 1 has 13 keys \(seq_lens\[1\]\) but "
+                r"the bias covers L = 12 \(its last dimension\)$",
                 attn_bias=lambda a: a["attn_bias"][:, :, :12], seq_lens=lambda a: replaced(a["seq_lens"], 2, 12)),
     decode_case("block_tables-negative-id", ValueError, r"block_tables: sequence 2 uses block id -1, outside "
                 r"\[0, 11\)", block_tables=lambda a: replaced(a["block_tables"], (2, 0), -1)),
@@ -797,7 +796,8 @@ PREFILL_ERRORS = [
                  r"must be under 2\*\*31 bytes", attn_bias=lambda a: huge_key_stride(a["attn_bias"].shape)),
     prefill_case("bias-rows", ValueError, r"attn_bias: sequence 2 has 10 query rows, more than the bias's "
                  r"max_q_len = 9", attn_bias=lambda a: a["attn_bias"][:, :, :9]),
-    prefill_case("bias-short", ValueError, r"seq_lens: sequence 2 has length 24, outside \[0, 20\]",
+    prefill_case("bias-short", ValueError, r"attn_bias: sequence 2 has 24 keys \(seq_lens\[2\]\) but the bias "
+                 r"covers L = 20",
                  attn_bias=lambda a: a["attn_bias"][..., :20]),
     prefill_case("bias-ragged", NotImplementedError, r"attn_bias: RaggedBias is a decode bias",
                  attn_bias=lambda a: RaggedBias(rand((40, NUM_HEADS)), np.array((0, 1, 14, 38), np.int32))),
