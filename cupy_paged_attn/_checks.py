@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ml_dtypes
@@ -23,7 +23,14 @@ DTYPES = {
     np.dtype(np.float16): "f16",
     np.dtype(ml_dtypes.bfloat16): "bf16",
 }
-KV_LAYOUTS = _specs.KV_LAYOUTS
+#: Cache layouts: the kernels' (``_specs.KV_LAYOUTS``) and those only the NumPy path reads so far.
+KV_LAYOUTS = (*_specs.KV_LAYOUTS, "hnd")
+#: fp8 cache formats by the name ``kv_cache_dtype`` takes: the NumPy dtype of a stored value (ml_dtypes').
+FP8_FORMATS = {
+    "fp8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "fp8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
+}
+KV_CACHE_DTYPES = ("auto", *FP8_FORMATS)
 
 
 def dtype_name(name: str, arr: Any) -> str:
@@ -81,29 +88,64 @@ class CacheGeometry:
     num_kv_heads: int
     head_size: int
     block_stride: int  # elements between pages
+    fp8: str | None = None  # the fp8 format of the stored values (a key of FP8_FORMATS), None when unquantized
 
 
-def check_caches(key_cache: Any, value_cache: Any, kv_layout: str, dtype: Any, head_size: int, source: str
-                 ) -> CacheGeometry:
+def check_kv_cache_dtype(kv_cache_dtype: Any, key_cache: Any, value_cache: Any, dtype: Any, source: str
+                         ) -> str | None:
+    """The storage of the caches: None when they hold the ``source``'s dtype, else their fp8 format.
+
+    ``"auto"`` takes the caches' own dtype (the source's, or an ml_dtypes / torch float8 dtype); ``"fp8_e4m3"`` and
+    ``"fp8_e5m2"`` name the format of caches stored as uint8 (vLLM's convention) or of that float8 dtype.
+    """
+    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: expected one of {', '.join(map(repr, KV_CACHE_DTYPES))}, got "
+                         f"{kv_cache_dtype!r}")
+    by_dtype = {v: k for k, v in FP8_FORMATS.items()}
+    have = np.dtype(key_cache.dtype)
+    if kv_cache_dtype == "auto":
+        fmt = by_dtype.get(have)
+        want = (np.dtype(dtype),) if fmt is None else (have,)
+    else:
+        fmt = kv_cache_dtype
+        want = (FP8_FORMATS[fmt], np.dtype(np.uint8))
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if np.dtype(cache.dtype) not in want:
+            if kv_cache_dtype == "auto" and fmt is None:
+                wanted = f"{np.dtype(dtype)} (the {source}'s) or float8_e4m3fn / float8_e5m2"
+            else:
+                wanted = " or ".join(map(str, want)) + f" (kv_cache_dtype={fmt!r})"
+            raise ValueError(f"{name}: expected dtype {wanted}, got {cache.dtype}")
+    return fmt
+
+
+def check_caches(key_cache: Any, value_cache: Any, kv_layout: str, dtype: Any, head_size: int, source: str,
+                 kv_cache_dtype: Any = "auto") -> CacheGeometry:
     """Shapes, dtypes and contiguity of ``key_cache`` / ``value_cache`` for ``kv_layout``.
 
     The page dimension may have any stride (a cache may be a view of a larger [num_blocks, 2, ...] array); the
-    dimensions inside a page must be contiguous. ``source`` names the argument ``dtype`` and ``head_size`` came from.
+    dimensions inside a page must be contiguous. ``source`` names the argument ``dtype`` and ``head_size`` came from;
+    the caches hold that dtype or an fp8 format (:func:`check_kv_cache_dtype`).
     """
-    itemsize = np.dtype(dtype).itemsize
+    fp8 = check_kv_cache_dtype(kv_cache_dtype, key_cache, value_cache, dtype, source)
+    itemsize = np.dtype(key_cache.dtype).itemsize
     x = 16 // itemsize
-    if kv_layout == "nhd":
-        dims = "[num_blocks, block_size, num_kv_heads, head_size]"
+    if kv_layout in ("nhd", "hnd"):
+        dims = ("[num_blocks, block_size, num_kv_heads, head_size]" if kv_layout == "nhd" else
+                "[num_blocks, num_kv_heads, block_size, head_size]")
         check_ndim("key_cache", key_cache, 4, dims)
-        num_blocks, block_size, num_kv_heads, d = key_cache.shape
-        check_shape("value_cache", value_cache, (num_blocks, block_size, num_kv_heads, d), dims)
+        check_shape("value_cache", value_cache, tuple(key_cache.shape), dims + " (the key_cache's shape)")
+        if kv_layout == "nhd":
+            num_blocks, block_size, num_kv_heads, d = key_cache.shape
+        else:
+            num_blocks, num_kv_heads, block_size, d = key_cache.shape
     else:
         dims = f"[num_blocks, num_kv_heads, head_size // {x}, block_size, {x}]"
         check_ndim("key_cache", key_cache, 5, dims)
         num_blocks, num_kv_heads, d_x, block_size, xx = key_cache.shape
         if xx != x:
             raise ValueError(
-                f"key_cache: kv_layout='vllm' with dtype {np.dtype(dtype)} needs last dimension x = 16 // itemsize "
+                f"key_cache: kv_layout='vllm' with dtype {key_cache.dtype} needs last dimension x = 16 // itemsize "
                 f"= {x}, got shape {tuple(key_cache.shape)}"
             )
         d = d_x * x
@@ -113,9 +155,6 @@ def check_caches(key_cache: Any, value_cache: Any, kv_layout: str, dtype: Any, h
         )
     if d != head_size:
         raise ValueError(f"key_cache: expected head_size {head_size} (from {source}), got {d}")
-    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if np.dtype(cache.dtype) != np.dtype(dtype):
-            raise ValueError(f"{name}: expected dtype {np.dtype(dtype)} (the {source}'s), got {cache.dtype}")
     if 0 in key_cache.shape[1:]:
         raise ValueError(f"key_cache: expected block_size, num_kv_heads and head_size >= 1, got shape "
                          f"{tuple(key_cache.shape)}")
@@ -129,7 +168,7 @@ def check_caches(key_cache: Any, value_cache: Any, kv_layout: str, dtype: Any, h
         raise ValueError(f"key_cache: a page (block_size x num_kv_heads x head_size) must hold fewer than 2**31 "
                          f"elements, got {page}")
     if num_blocks == 0:  # an empty cache holds no memory to check (NumPy gives it zero strides)
-        return CacheGeometry(0, block_size, num_kv_heads, d, page)
+        return CacheGeometry(0, block_size, num_kv_heads, d, page, fp8)
     k_strides, v_strides = element_strides(key_cache), element_strides(value_cache)
     for name, cache, strides in (("key_cache", key_cache, k_strides), ("value_cache", value_cache, v_strides)):
         inner = contiguous_strides(cache.shape[1:])
@@ -146,7 +185,7 @@ def check_caches(key_cache: Any, value_cache: Any, kv_layout: str, dtype: Any, h
         check_aligned(name, _interop.data_ptr(cache))
     if num_blocks > 1 and k_strides[0] != v_strides[0]:
         raise ValueError(f"value_cache: expected the page stride of key_cache ({k_strides[0]}), got {v_strides[0]}")
-    return CacheGeometry(num_blocks, block_size, num_kv_heads, d, k_strides[0] if num_blocks > 1 else page)
+    return CacheGeometry(num_blocks, block_size, num_kv_heads, d, k_strides[0] if num_blocks > 1 else page, fp8)
 
 
 def check_aligned(name: str, ptr: int) -> None:
@@ -283,6 +322,76 @@ def check_bias(attn_bias: Any, arrays: dict[str, Any], num_seqs: int, num_heads:
     return CheckedBias("dense", bias, None, strides, dtype, length=int(bias.shape[-1]))
 
 
+@dataclass(frozen=True)
+class ScoreOptions:
+    """What turns ``scale * <q, k>`` into a logit besides the bias: Gemma 2's soft-cap and the sliding window."""
+
+    soft_cap: float | None = None  # logit = soft_cap * tanh(scale * <q, k> / soft_cap), before the bias and ALiBi
+    window_left: int | None = None  # a query at position p attends keys at p - window_left and after
+
+    @property
+    def default(self) -> bool:
+        return self.soft_cap is None and self.window_left is None
+
+
+def check_score_options(logits_soft_cap: Any, window_left: Any) -> ScoreOptions:
+    """``logits_soft_cap``: None or a finite number > 0; ``window_left``: None or an int >= 0."""
+    cap = None
+    if logits_soft_cap is not None:
+        if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, numbers.Real):
+            raise TypeError(f"logits_soft_cap: expected None or a finite number > 0, got "
+                            f"{type(logits_soft_cap).__name__} {logits_soft_cap!r}")
+        cap = float(logits_soft_cap)
+        if not (math.isfinite(cap) and cap > 0):
+            raise ValueError(f"logits_soft_cap: expected None (no cap) or a finite number > 0, got {logits_soft_cap!r}")
+    window = None
+    if window_left is not None:
+        if isinstance(window_left, bool) or not isinstance(window_left, numbers.Integral):
+            raise TypeError(f"window_left: expected None or an int >= 0, got {type(window_left).__name__} "
+                            f"{window_left!r}")
+        window = int(window_left)
+        if window < 0:
+            raise ValueError(f"window_left: expected None (no window) or an int >= 0, got {window_left!r}")
+    return ScoreOptions(cap, window)
+
+
+@dataclass
+class KvScale:
+    """A checked ``k_scale`` / ``v_scale`` of an fp8 cache: a value is read as ``stored * scale`` (and written as
+    ``value / scale``, saturated to the format's range)."""
+
+    value: float | None = None  # a Python number's value
+    array: Any = None  # or a float32 array of one element or one per KV head (wrapped)
+
+    def per_head(self, num_kv_heads: int) -> np.ndarray:
+        """float64 ``[num_kv_heads]`` (host arrays only: the NumPy path and the reference)."""
+        if self.array is None:
+            return np.full(num_kv_heads, self.value)
+        return np.broadcast_to(np.asarray(self.array, dtype=np.float64), (num_kv_heads,))
+
+
+def check_kv_scale(name: str, scale: Any, cache: CacheGeometry) -> KvScale | None:
+    """``k_scale`` / ``v_scale``: None (1.0) or, for an fp8 cache only, a finite number > 0 or a float32 array
+    ``[1]`` or ``[num_kv_heads]`` (an array keeps the scale on the device, so a CUDA graph can change it)."""
+    if scale is None:
+        return KvScale(1.0) if cache.fp8 is not None else None
+    if cache.fp8 is None:
+        raise ValueError(f"{name}: only fp8 caches are scaled (kv_cache_dtype 'fp8_e4m3' / 'fp8_e5m2' or float8 "
+                         f"caches); pass None")
+    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+        value = float(scale)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name}: expected a finite number > 0, got {scale!r}")
+        return KvScale(value)
+    if not hasattr(scale, "shape") or not hasattr(scale, "dtype"):
+        raise TypeError(f"{name}: expected None, a number or an array, got {type(scale).__name__}")
+    if tuple(scale.shape) not in ((1,), (cache.num_kv_heads,)):
+        raise ValueError(f"{name}: expected shape (1,) or (num_kv_heads={cache.num_kv_heads},), got "
+                         f"{tuple(scale.shape)}")
+    check_dtype(name, scale, (np.float32,))
+    return KvScale(array=scale)
+
+
 @dataclass
 class DecodeProblem:
     """Validated decode arguments; arrays are the wrapped (NumPy or CuPy) ones."""
@@ -305,6 +414,9 @@ class DecodeProblem:
     scale: float
     kv_layout: str
     dtype: str  # "f32" | "f16" | "bf16"
+    scores: ScoreOptions = field(default_factory=ScoreOptions, kw_only=True)
+    k_scale: KvScale | None = field(default=None, kw_only=True)  # fp8 caches only
+    v_scale: KvScale | None = field(default=None, kw_only=True)
 
     @property
     def group_size(self) -> int:
@@ -336,7 +448,7 @@ def check_scale(scale: Any, head_size: int) -> float:
     return value
 
 
-def _check_query_and_caches(query: Any, key_cache: Any, value_cache: Any, kv_layout: Any,
+def _check_query_and_caches(query: Any, key_cache: Any, value_cache: Any, kv_layout: Any, kv_cache_dtype: Any,
                             q_dims: str) -> tuple[str, str, CacheGeometry]:
     """The checks decode and prefill share: kv_layout, the query's rank, dtype, head size and heads, and the caches
     against it. Returns ``(layout, dtype name, cache geometry)``."""
@@ -347,7 +459,7 @@ def _check_query_and_caches(query: Any, key_cache: Any, value_cache: Any, kv_lay
     check_head_size("query", head_size)
     if num_heads == 0:
         raise ValueError(f"query: expected num_heads >= 1, got shape {tuple(query.shape)}")
-    cache = check_caches(key_cache, value_cache, layout, query.dtype, head_size, "query")
+    cache = check_caches(key_cache, value_cache, layout, query.dtype, head_size, "query", kv_cache_dtype)
     if num_heads % cache.num_kv_heads:
         raise ValueError(
             f"key_cache: num_kv_heads ({cache.num_kv_heads}) must divide the query's num_heads ({num_heads})"
@@ -377,15 +489,22 @@ def check_decode(
     kv_layout: Any,
     out: Any,
     bias_arrays: dict[str, Any] | None = None,
+    logits_soft_cap: Any = None,
+    window_left: Any = None,
+    kv_cache_dtype: Any = "auto",
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> DecodeProblem:
     """Validate the arguments of :func:`cupy_paged_attn.paged_attention` (see its docstring for the list).
 
     ``attn_bias`` is the caller's object (None, a dense array or a bias kind); ``bias_arrays`` its arrays as
-    :func:`bias_operands` names them, wrapped (default: ``bias_operands(attn_bias)`` as they are).
+    :func:`bias_operands` names them, wrapped (default: ``bias_operands(attn_bias)`` as they are). ``k_scale`` and
+    ``v_scale`` are numbers or wrapped arrays.
     """
     if bias_arrays is None:
         bias_arrays = bias_operands(attn_bias)
-    layout, dtype, cache = _check_query_and_caches(query, key_cache, value_cache, kv_layout,
+    scores = check_score_options(logits_soft_cap, window_left)
+    layout, dtype, cache = _check_query_and_caches(query, key_cache, value_cache, kv_layout, kv_cache_dtype,
                                                    "[num_seqs, num_heads, head_size]")
     num_seqs, num_heads, head_size = query.shape
 
@@ -411,8 +530,46 @@ def check_decode(
         bias=bias, alibi_slopes=alibi_slopes, out=out,
         num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=cache.num_kv_heads, head_size=head_size,
         cache=cache, max_blocks_per_seq=max_blocks, max_len=max_len, scale=check_scale(scale, head_size),
-        kv_layout=layout, dtype=dtype,
+        kv_layout=layout, dtype=dtype, scores=scores, k_scale=check_kv_scale("k_scale", k_scale, cache),
+        v_scale=check_kv_scale("v_scale", v_scale, cache),
     )
+
+
+_NO_OPTIONS: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
+
+
+def serving_options(logits_soft_cap: Any, window_left: Any, kv_cache_dtype: Any, k_scale: Any,
+                    v_scale: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(options, scale operands)`` of an entry point: its serving options that are not their defaults (keyword
+    arguments of the checks and the references), and the fp8 scales given as arrays (operands, to be wrapped with
+    the others). Both are empty for a call that uses none."""
+    if logits_soft_cap is None and window_left is None and k_scale is None and v_scale is None and (
+            kv_cache_dtype == "auto" and isinstance(kv_cache_dtype, str)):
+        return _NO_OPTIONS  # the common call, on the repeated-call path: no dictionaries built
+    options = {name: value for name, value in (("logits_soft_cap", logits_soft_cap), ("window_left", window_left),
+                                                ("k_scale", k_scale), ("v_scale", v_scale)) if value is not None}
+    if not (isinstance(kv_cache_dtype, str) and kv_cache_dtype == "auto"):
+        options["kv_cache_dtype"] = kv_cache_dtype
+    arrays = {name: options[name] for name in ("k_scale", "v_scale")
+              if name in options and not isinstance(options[name], numbers.Real)}
+    return options, arrays
+
+
+#: What the NumPy path computes and the GPU kernels do not yet, with the argument that asks for it.
+_NOT_ON_GPU = "the NumPy path computes it; the GPU kernels do not have it yet"
+
+
+def check_kernel_support(kv_layout: str, cache: CacheGeometry, scores: ScoreOptions | None = None) -> None:
+    """NotImplementedError, naming the argument, for an option the GPU kernels lack: the ``"hnd"`` layout, fp8
+    caches, a logit soft-cap, a sliding window."""
+    if kv_layout not in _specs.KV_LAYOUTS:
+        raise NotImplementedError(f"kv_layout: {kv_layout!r} on the GPU; {_NOT_ON_GPU}")
+    if cache.fp8 is not None:
+        raise NotImplementedError(f"key_cache: an fp8 cache ({cache.fp8}) on the GPU; {_NOT_ON_GPU}")
+    if scores is not None and scores.soft_cap is not None:
+        raise NotImplementedError(f"logits_soft_cap: on the GPU; {_NOT_ON_GPU}")
+    if scores is not None and scores.window_left is not None:
+        raise NotImplementedError(f"window_left: on the GPU; {_NOT_ON_GPU}")
 
 
 def check_out(out: Any, query: Any) -> None:
@@ -443,10 +600,22 @@ def check_host_data(problem: DecodeProblem) -> None:
             raise ValueError(
                 f"block_tables: sequence {s} uses block id {int(used[bad][0])}, outside [0, {problem.cache.num_blocks})"
             )
+    check_scale_values(problem.k_scale, problem.v_scale)
     if problem.bias.mode == "ragged":
         check_ragged_offsets(np.asarray(problem.bias.index), seq_lens, problem.bias.n)
     if problem.bias.mode == "t5":
         check_t5_buckets(np.asarray(problem.bias.index), problem.bias.source.per_side)
+
+
+def check_scale_values(k_scale: KvScale | None, v_scale: KvScale | None) -> None:
+    """fp8 scales given as (host copies of) arrays hold finite values > 0."""
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is not None and scale.array is not None:
+            values = np.asarray(scale.array, dtype=np.float64)
+            bad = ~(np.isfinite(values) & (values > 0))
+            if bad.any():
+                raise ValueError(f"{name}: expected finite values > 0, got {values[bad][0]} at index "
+                                 f"{int(np.argmax(bad))}")
 
 
 def check_t5_buckets(buckets: np.ndarray, per_side: int) -> None:
@@ -484,10 +653,13 @@ class CacheWriteProblem:
     cache: CacheGeometry
     kv_layout: str
     dtype: str
+    k_scale: KvScale | None = None  # fp8 caches only
+    v_scale: KvScale | None = None
 
 
 def check_cache_write(key: Any, value: Any, key_cache: Any, value_cache: Any, slot_mapping: Any,
-                      kv_layout: Any) -> CacheWriteProblem:
+                      kv_layout: Any, kv_cache_dtype: Any = "auto", k_scale: Any = None,
+                      v_scale: Any = None) -> CacheWriteProblem:
     """Validate the arguments of :func:`cupy_paged_attn.reshape_and_cache`."""
     layout = check_layout_option(kv_layout)
     dims = "[num_tokens, num_kv_heads, head_size]"
@@ -498,16 +670,18 @@ def check_cache_write(key: Any, value: Any, key_cache: Any, value_cache: Any, sl
         raise ValueError(f"value: expected dtype {key.dtype} (the key's), got {value.dtype}")
     num_tokens, num_kv_heads, head_size = key.shape
     check_head_size("key", head_size)
-    cache = check_caches(key_cache, value_cache, layout, key.dtype, head_size, "key")
+    cache = check_caches(key_cache, value_cache, layout, key.dtype, head_size, "key", kv_cache_dtype)
     if cache.num_kv_heads != num_kv_heads:
         raise ValueError(f"key_cache: expected num_kv_heads {num_kv_heads} (from key), got {cache.num_kv_heads}")
     check_shape("slot_mapping", slot_mapping, (num_tokens,), "[num_tokens]")
     check_dtype("slot_mapping", slot_mapping, (np.int32, np.int64))
-    return CacheWriteProblem(key, value, key_cache, value_cache, slot_mapping, num_tokens, cache, layout, dtype)
+    return CacheWriteProblem(key, value, key_cache, value_cache, slot_mapping, num_tokens, cache, layout, dtype,
+                             check_kv_scale("k_scale", k_scale, cache), check_kv_scale("v_scale", v_scale, cache))
 
 
 def check_slots_host(problem: CacheWriteProblem) -> None:
-    """The CPU path's check of slot values (negative = skipped)."""
+    """The CPU path's check of slot values (negative = skipped) and of fp8 scale arrays."""
+    check_scale_values(problem.k_scale, problem.v_scale)
     slots = np.asarray(problem.slot_mapping)
     capacity = problem.cache.num_blocks * problem.cache.block_size
     bad = np.nonzero(slots >= capacity)[0]
@@ -554,6 +728,11 @@ def check_prefill(
     kv_layout: Any,
     out: Any,
     bias_arrays: dict[str, Any] | None = None,
+    logits_soft_cap: Any = None,
+    window_left: Any = None,
+    kv_cache_dtype: Any = "auto",
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> PrefillProblem:
     """Validate the arguments of :func:`cupy_paged_attn.paged_prefill_attention` (see its docstring for the list).
 
@@ -563,7 +742,8 @@ def check_prefill(
         bias_arrays = bias_operands(attn_bias)
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__} {causal!r}")
-    layout, dtype, cache = _check_query_and_caches(query, key_cache, value_cache, kv_layout,
+    scores = check_score_options(logits_soft_cap, window_left)
+    layout, dtype, cache = _check_query_and_caches(query, key_cache, value_cache, kv_layout, kv_cache_dtype,
                                                    "[total_query_tokens, num_heads, head_size]")
     total_q, num_heads, head_size = query.shape
     if total_q >= 2**31:
@@ -589,7 +769,8 @@ def check_prefill(
         query_start_loc=query_start_loc, bias=bias, alibi_slopes=alibi_slopes, out=out, num_seqs=num_seqs,
         total_q=total_q, num_heads=num_heads, num_kv_heads=cache.num_kv_heads, head_size=head_size, cache=cache,
         max_blocks_per_seq=max_blocks, max_len=max_len, q_limit=q_limit, scale=check_scale(scale, head_size),
-        causal=bool(causal), kv_layout=layout, dtype=dtype,
+        causal=bool(causal), kv_layout=layout, dtype=dtype, scores=scores,
+        k_scale=check_kv_scale("k_scale", k_scale, cache), v_scale=check_kv_scale("v_scale", v_scale, cache),
     )
 
 

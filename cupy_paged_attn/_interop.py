@@ -84,7 +84,17 @@ def _torch_numpy_dtypes() -> dict[Any, np.dtype]:
         torch.int8: np.dtype(np.int8), torch.uint8: np.dtype(np.uint8), torch.int16: np.dtype(np.int16),
         torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64), torch.bool: np.dtype(np.bool_),
         torch.complex64: np.dtype(np.complex64), torch.complex128: np.dtype(np.complex128),
+        torch.float8_e4m3fn: np.dtype(ml_dtypes.float8_e4m3fn), torch.float8_e5m2: np.dtype(ml_dtypes.float8_e5m2),
     }
+
+
+#: NumPy dtypes that torch's ``Tensor.numpy()`` cannot give, and the torch dtype of the same width their bits
+#: travel as: bfloat16 as int16, the float8 formats as uint8.
+_BITS_DTYPES = {
+    np.dtype(ml_dtypes.bfloat16): "int16",
+    np.dtype(ml_dtypes.float8_e4m3fn): "uint8",
+    np.dtype(ml_dtypes.float8_e5m2): "uint8",
+}
 
 
 class TorchArray:
@@ -199,8 +209,9 @@ def to_array_module(name: str, x: Any) -> tuple[Any, Any, Callable[[Any], Any]]:
         import torch
 
         t = x.detach()
-        if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16), np, torch_from_numpy
+        dtype = _torch_numpy_dtypes().get(t.dtype)
+        if dtype in _BITS_DTYPES:
+            return t.view(getattr(torch, _BITS_DTYPES[dtype])).numpy().view(dtype), np, torch_from_numpy
         return t.numpy(), np, torch_from_numpy
     if top in ("jax", "jaxlib"):
         import jax
@@ -237,12 +248,15 @@ def to_numpy(x: Any) -> Any:
 
 
 def torch_from_numpy(arr: np.ndarray) -> Any:
-    """A CPU tensor over a NumPy array (over a contiguous copy if it is not contiguous); bfloat16 through its bits."""
+    """A CPU tensor over a NumPy array (over a contiguous copy if it is not contiguous); bfloat16 and the float8
+    formats through their bits."""
     import torch
 
     arr = np.ascontiguousarray(arr)
-    if arr.dtype == np.dtype(ml_dtypes.bfloat16):
-        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    bits = _BITS_DTYPES.get(arr.dtype)
+    if bits is not None:
+        torch_dtype = {v: k for k, v in _torch_numpy_dtypes().items()}[arr.dtype]
+        return torch.from_numpy(arr.view(bits)).view(torch_dtype)
     return torch.from_numpy(arr)
 
 

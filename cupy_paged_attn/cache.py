@@ -28,6 +28,9 @@ def reshape_and_cache(
     slot_mapping: Any,
     *,
     kv_layout: str = "nhd",
+    kv_cache_dtype: str = "auto",
+    k_scale: Any = None,
+    v_scale: Any = None,
     validate: bool = False,
 ) -> tuple[Any, Any]:
     """Write ``key[t]`` and ``value[t]`` into cache slot ``slot_mapping[t]`` (vLLM's ``reshape_and_cache``).
@@ -38,11 +41,16 @@ def reshape_and_cache(
     Parameters
     ----------
     key, value : arrays ``[num_tokens, num_kv_heads, head_size]``, float16 / bfloat16 / float32, one dtype
-    key_cache, value_cache : arrays of the key's dtype, in ``kv_layout`` (see :func:`paged_attention`)
+    key_cache, value_cache : arrays of the key's dtype, or fp8, in ``kv_layout`` (see :func:`paged_attention`)
         torch, CuPy and NumPy caches are written in place. JAX arrays are immutable: new caches are returned and
         the arguments are left as they were.
     slot_mapping : array ``[num_tokens]``, int32 or int64
-    kv_layout : {"nhd", "vllm"}
+    kv_layout : {"nhd", "vllm", "hnd"}
+    kv_cache_dtype, k_scale, v_scale
+        As in :func:`paged_attention`. An fp8 cache stores ``value / scale`` computed in float32, saturated to the
+        format's largest finite value (finite input never becomes NaN or inf), rounded to nearest even
+        (:func:`cupy_paged_attn.reference.fp8_quantize`). fp8 caches and ``"hnd"`` are written on the NumPy path
+        only so far (NotImplementedError on the GPU).
     validate : bool
         Also check that no slot lies past the cache (``ValueError`` naming the first such token). Copies
         ``slot_mapping`` to the host: a synchronisation, off by default. The NumPy path always does it.
@@ -68,18 +76,22 @@ def reshape_and_cache(
     On the GPU, unless ``validate=True``, a slot past the cache (``>= num_blocks * block_size``) is skipped rather
     than written, since checking it on the host would need a sync.
     """
+    options, scale_arrays = _checks.serving_options(None, None, kv_cache_dtype, k_scale, v_scale)
     named = {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
-             "slot_mapping": slot_mapping}
+             "slot_mapping": slot_mapping, **scale_arrays}
     framework = _interop.common_framework(named, optional=())
     if framework == "numpy":
-        return reference.reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping, kv_layout=kv_layout)
+        return reference.reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping, kv_layout=kv_layout,
+                                               **options)
 
     device = _interop.device_of("key", key, framework)
     with _interop.launch_context(framework, device, None) as stream:
         arr = _interop.wrap_all(named, framework)
         problem = _checks.check_cache_write(
-            arr["key"], arr["value"], arr["key_cache"], arr["value_cache"], arr["slot_mapping"], kv_layout
+            arr["key"], arr["value"], arr["key_cache"], arr["value_cache"], arr["slot_mapping"], kv_layout,
+            kv_cache_dtype, *(arr.get(name, options.get(name)) for name in ("k_scale", "v_scale")),
         )
+        _checks.check_kernel_support(problem.kv_layout, problem.cache)
         if validate:
             _checks.check_slots_host(dataclasses.replace(problem, slot_mapping=reference.to_numpy(slot_mapping)))
         k_cache, v_cache = problem.key_cache, problem.value_cache

@@ -391,13 +391,22 @@ def _operands(query: Any, key_cache: Any, value_cache: Any, block_tables: Any, s
     }
 
 
-def _check_wrapped(arr: dict[str, Any], attn_bias: Any, scale: Any, kv_layout: Any) -> _checks.DecodeProblem:
-    """check_decode on the wrapped operands (``arr``, named as :func:`_operands` names them, ``out`` optional)."""
-    return _checks.check_decode(
+def _check_wrapped(arr: dict[str, Any], attn_bias: Any, scale: Any, kv_layout: Any,
+                   options: dict[str, Any] | None = None) -> _checks.DecodeProblem:
+    """check_decode on the wrapped operands (``arr``, named as :func:`_operands` names them, ``out`` optional), then
+    what the kernels support. ``options``: the serving options of :func:`paged_attention` (a scale array wrapped in
+    ``arr`` under its name)."""
+    options = dict(options or {})
+    for name in ("k_scale", "v_scale"):
+        if name in arr:
+            options[name] = arr[name]
+    problem = _checks.check_decode(
         arr["query"], arr["key_cache"], arr["value_cache"], arr["block_tables"], arr["seq_lens"],
         scale=scale, attn_bias=attn_bias, alibi_slopes=arr.get("alibi_slopes"), kv_layout=kv_layout,
-        out=arr.get("out"), bias_arrays={k: v for k, v in arr.items() if k.startswith("attn_bias")},
+        out=arr.get("out"), bias_arrays={k: v for k, v in arr.items() if k.startswith("attn_bias")}, **options,
     )
+    _checks.check_kernel_support(problem.kv_layout, problem.cache, problem.scores)
+    return problem
 
 
 def paged_attention(
@@ -411,6 +420,11 @@ def paged_attention(
     attn_bias: Any = None,
     alibi_slopes: Any = None,
     kv_layout: str = "nhd",
+    logits_soft_cap: float | None = None,
+    window_left: int | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: Any = None,
+    v_scale: Any = None,
     out: Any = None,
     stream: Any = None,
     validate: bool = False,
@@ -422,6 +436,9 @@ def paged_attention(
 
         logit[j] = scale * <query[s, h], k[s, j, h // G]> + alibi_slopes[h] * (j - seq_lens[s] + 1) + attn_bias[s, h, j]
         out[s, h] = sum_j softmax(logit)[j] * v[s, j, h // G]
+
+    (with ``logits_soft_cap = c``, the first term is ``c * tanh(scale * <q, k> / c)``; with ``window_left = w``,
+    only keys ``j >= seq_lens[s] - 1 - w`` are attended)
 
     where ``k[s, j]`` is row ``j % block_size`` of page ``block_tables[s, j // block_size]``. Softmax and
     accumulation run in float32 whatever the storage dtype. Grouped-query float16 / bfloat16 decode (two or more
@@ -435,8 +452,9 @@ def paged_attention(
     ----------
     query : array ``[num_seqs, num_heads, head_size]``, float16 / bfloat16 / float32
         One query token per sequence. head_size is one of 32, 64, 80, 96, 112, 120, 128, 192, 256.
-    key_cache, value_cache : arrays of the query's dtype
+    key_cache, value_cache : arrays of the query's dtype, or fp8 (see ``kv_cache_dtype``)
         ``kv_layout="nhd"``: both ``[num_blocks, block_size, num_kv_heads, head_size]``.
+        ``kv_layout="hnd"``: both ``[num_blocks, num_kv_heads, block_size, head_size]`` (NumPy path only so far).
         ``kv_layout="vllm"``: key ``[num_blocks, num_kv_heads, head_size // x, block_size, x]`` with
         ``x = 16 // itemsize``, value ``[num_blocks, num_kv_heads, head_size, block_size]`` (vLLM's caches as they
         are). block_size is a power of two up to 256. Each page must be contiguous; the page stride may be larger
@@ -459,8 +477,21 @@ def paged_attention(
         give NaN.
     alibi_slopes : array ``[num_heads]``, float32, optional
         ALiBi slopes; adds ``alibi_slopes[h] * (j - seq_lens[s] + 1)``.
-    kv_layout : {"nhd", "vllm"}
+    kv_layout : {"nhd", "vllm", "hnd"}
         Layout of the caches, see above.
+    logits_soft_cap : float, optional
+        Gemma 2's soft-cap ``c > 0``: ``scale * <q, k>`` becomes ``c * tanh(scale * <q, k> / c)`` before the bias and
+        ALiBi are added. NumPy path only so far (NotImplementedError on the GPU).
+    window_left : int, optional
+        Sliding window ``w >= 0``: the query (at position ``seq_lens[s] - 1``) attends its last ``w + 1`` keys.
+        NumPy path only so far.
+    kv_cache_dtype : {"auto", "fp8_e4m3", "fp8_e5m2"}
+        ``"auto"``: the caches hold the query's dtype, or ml_dtypes' / torch's ``float8_e4m3fn`` or ``float8_e5m2``.
+        ``"fp8_e4m3"`` / ``"fp8_e5m2"``: fp8 caches stored as uint8 (vLLM's convention) or as that float8 dtype.
+        fp8 caches are read on the NumPy path only so far.
+    k_scale, v_scale : float or array ``[1]`` or ``[num_kv_heads]``, float32, optional
+        fp8 caches only (default 1.0): a stored value ``x`` reads as ``x * scale`` (vLLM's convention; a KV head's
+        own scale with ``[num_kv_heads]``). An array keeps the scale on the device.
     out : array like ``query``, optional
         Written in place and returned; same shape, dtype and framework as ``query``; last dimension contiguous.
         Not accepted for JAX (immutable arrays).
@@ -492,13 +523,16 @@ def paged_attention(
         ``(num_heads,)``, out like query); dtypes (query float32/float16/bfloat16, caches and out of the query's
         dtype, block_tables, seq_lens and offsets int32, bias values float, alibi_slopes float32); caches
         contiguous within a page, 16-byte aligned, with the vLLM ``x`` matching the dtype; ``kv_layout``; a finite
-        ``scale``; all arrays on one device; a torch tensor on the CPU. On the NumPy path (and with
-        ``validate=True``) also the data: seq_lens within ``[0, max_blocks_per_seq * block_size]``, a dense
-        bias at least ``seq_lens[s]`` keys long (the error names ``attn_bias``), the used block ids within
-        ``[0, num_blocks)``, and a RaggedBias's rows of every sequence within ``values``.
+        ``scale``; ``logits_soft_cap`` > 0, ``window_left`` >= 0, ``kv_cache_dtype`` and the caches' storage, fp8
+        scales (finite, > 0, fp8 caches only, ``[1]`` or ``[num_kv_heads]`` float32); all arrays on one device;
+        a torch tensor on the CPU. On the NumPy path (and with ``validate=True``) also the data: seq_lens within
+        ``[0, max_blocks_per_seq * block_size]``, a dense bias at least ``seq_lens[s]`` keys long (the error names
+        ``attn_bias``), the used block ids within ``[0, num_blocks)``, a RaggedBias's rows of every sequence within
+        ``values``, and fp8 scale arrays' values.
     NotImplementedError
         A head_size or block_size outside the supported sets; a dense bias or RaggedBias values whose keys lie
-        2**31 bytes or more apart (the kernels step from key to key by a 32-bit byte count).
+        2**31 bytes or more apart (the kernels step from key to key by a 32-bit byte count); on the GPU,
+        ``kv_layout="hnd"``, fp8 caches, ``logits_soft_cap`` or ``window_left`` (the kernels do not have them yet).
     RuntimeError
         Kernel compilation failed (with the NVRTC log), or NVRTC / CUDA headers are missing (naming the extra).
 
@@ -514,22 +548,24 @@ def paged_attention(
     checking its arguments again (a different signature is checked in full, as on a first call).
     """
     operands = _operands(query, key_cache, value_cache, block_tables, seq_lens, attn_bias, alibi_slopes)
-    keyed = _plan_key(operands, scale, kv_layout, attn_bias)
+    options, scale_arrays = _checks.serving_options(logits_soft_cap, window_left, kv_cache_dtype, k_scale, v_scale)
+    keyed = None if options else _plan_key(operands, scale, kv_layout, attn_bias)
     if keyed is not None and keyed[2] is not None and not validate:
         return keyed[2]._run_native(operands, out, query, stream, keyed[1])
-    named = {**operands, "out": out}
-    framework = _interop.call_framework(named, ("attn_bias", "alibi_slopes", "out"), stream=stream, out=out)
+    named = {**operands, **scale_arrays, "out": out}
+    framework = _interop.call_framework(named, ("attn_bias", "alibi_slopes", *scale_arrays, "out"), stream=stream,
+                                        out=out)
     if framework == "numpy":
         result = reference.paged_attention_ref(
             query, key_cache, value_cache, block_tables, seq_lens,
-            scale=scale, attn_bias=attn_bias, alibi_slopes=alibi_slopes, kv_layout=kv_layout, out=out,
+            scale=scale, attn_bias=attn_bias, alibi_slopes=alibi_slopes, kv_layout=kv_layout, out=out, **options,
         )
         return result if out is not None else result.astype(query.dtype)
 
     device = _interop.device_of("query", query, framework)
     with _interop.launch_context(framework, device, stream) as launch_stream:
         arr = _interop.wrap_all(named, framework)
-        problem = _check_wrapped(arr, attn_bias, scale, kv_layout)
+        problem = _check_wrapped(arr, attn_bias, scale, kv_layout, options)
         if validate:
             host = dataclasses.replace(
                 problem, seq_lens=reference.to_numpy(seq_lens), block_tables=reference.to_numpy(block_tables),

@@ -73,6 +73,11 @@ def paged_prefill_attention(
     attn_bias: Any = None,
     alibi_slopes: Any = None,
     kv_layout: str = "nhd",
+    logits_soft_cap: float | None = None,
+    window_left: int | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: Any = None,
+    v_scale: Any = None,
     out: Any = None,
     stream: Any = None,
     validate: bool = False,
@@ -87,6 +92,9 @@ def paged_prefill_attention(
         logit[j] = scale * <query[t, h], k[s, j, h // G]> + alibi_slopes[h] * (j - p) + bias(s, h, i, p, j)
         out[t, h] = sum_j softmax(logit)[j] * v[s, j, h // G]          (t = query_start_loc[s] + i)
 
+    (with ``logits_soft_cap = c``, the first term is ``c * tanh(scale * <q, k> / c)``; with ``window_left = w``,
+    keys ``j < p - w`` are masked too)
+
     With ``q_len = 1`` for every sequence this is :func:`paged_attention` (``p = n - 1``). Softmax and
     accumulation run in float32. float16 / bfloat16 run on the tensor cores (``mma.sync``, float32
     accumulators; on H100 / H200, head sizes 64 and 128, Hopper's ``wgmma``); float32 runs a simple SIMT kernel
@@ -96,8 +104,8 @@ def paged_prefill_attention(
     ----------
     query : array ``[total_query_tokens, num_heads, head_size]``, float16 / bfloat16 / float32
         The query rows of all sequences, packed. head_size is one of 32, 64, 80, 96, 112, 120, 128, 192, 256.
-    key_cache, value_cache : arrays of the query's dtype
-        As in :func:`paged_attention` (``kv_layout`` ``"nhd"`` or ``"vllm"``); block_size a power of two up to 256.
+    key_cache, value_cache : arrays of the query's dtype, or fp8
+        As in :func:`paged_attention`; block_size a power of two up to 256.
     block_tables : array ``[num_seqs, max_blocks_per_seq]``, int32
     seq_lens : array ``[num_seqs]``, int32
         Keys per sequence, its query rows included (``q_len <= seq_lens[s]``). A sequence of length 0 is allowed.
@@ -118,7 +126,10 @@ def paged_prefill_attention(
         all masked gives zeros. ``+inf`` or NaN give NaN.
     alibi_slopes : array ``[num_heads]``, float32, optional
         ALiBi slopes; adds ``alibi_slopes[h] * (j - p)``.
-    kv_layout : {"nhd", "vllm"}
+    kv_layout : {"nhd", "vllm", "hnd"}
+    logits_soft_cap, window_left, kv_cache_dtype, k_scale, v_scale
+        As in :func:`paged_attention` (so far the NumPy path only: NotImplementedError on the GPU). With
+        ``causal=False`` a window masks only the keys before ``p - window_left``.
     out : array like ``query``, optional
         Written in place and returned (last dimension contiguous). Rows of ``query`` that belong to no sequence
         are not written. Not accepted for JAX.
@@ -158,16 +169,18 @@ def paged_prefill_attention(
     bounds. One call launches a small plan kernel (tiles to sequences, on the device), the attention kernel and,
     when the keys are split, a reduction.
     """
+    options, scale_arrays = _checks.serving_options(logits_soft_cap, window_left, kv_cache_dtype, k_scale, v_scale)
     named = {
         "query": query, "key_cache": key_cache, "value_cache": value_cache, "block_tables": block_tables,
         "seq_lens": seq_lens, "query_start_loc": query_start_loc, **_checks.bias_operands(attn_bias),
-        "alibi_slopes": alibi_slopes, "out": out,
+        "alibi_slopes": alibi_slopes, **scale_arrays, "out": out,
     }
-    framework = _interop.call_framework(named, ("attn_bias", "alibi_slopes", "out"), stream=stream, out=out)
+    framework = _interop.call_framework(named, ("attn_bias", "alibi_slopes", *scale_arrays, "out"), stream=stream,
+                                        out=out)
     if framework == "numpy":
         result = reference.paged_prefill_attention_ref(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, causal=causal, scale=scale,
-            attn_bias=attn_bias, alibi_slopes=alibi_slopes, kv_layout=kv_layout, out=out,
+            attn_bias=attn_bias, alibi_slopes=alibi_slopes, kv_layout=kv_layout, out=out, **options,
         )
         return result if out is not None else result.astype(query.dtype)
 
@@ -179,7 +192,9 @@ def paged_prefill_attention(
             arr["query_start_loc"], causal=causal, scale=scale, attn_bias=attn_bias,
             alibi_slopes=arr.get("alibi_slopes"), kv_layout=kv_layout, out=arr.get("out"),
             bias_arrays={k: v for k, v in arr.items() if k.startswith("attn_bias")},
+            **{**options, **{name: arr[name] for name in scale_arrays}},
         )
+        _checks.check_kernel_support(problem.kv_layout, problem.cache, problem.scores)
         if validate:
             host = dataclasses.replace(
                 problem, seq_lens=reference.to_numpy(seq_lens), block_tables=reference.to_numpy(block_tables),

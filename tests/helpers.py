@@ -95,6 +95,8 @@ def make_problem(
     k_cache, v_cache = k_cache.astype(np_dtype), v_cache.astype(np_dtype)
     if kv_layout == "vllm":
         k_cache, v_cache = to_vllm_layout(k_cache, v_cache)
+    elif kv_layout == "hnd":
+        k_cache, v_cache = (np.ascontiguousarray(c.transpose(0, 2, 1, 3)) for c in (k_cache, v_cache))
     query = rng.standard_normal((num_seqs, num_heads, head_size)).astype(np_dtype)
     length = max(seq_lens, default=0) + 5
     kind = None
@@ -205,8 +207,9 @@ def make_bias(rng: np.random.Generator, kind: str, num_seqs: int, num_heads: int
     raise ValueError(kind)
 
 
-def dense_attention(problem: Problem) -> np.ndarray:
-    """Attention computed from the dense per-sequence K/V, written independently of the library's reference."""
+def dense_attention(problem: Problem, soft_cap: float | None = None, window_left: int | None = None) -> np.ndarray:
+    """Attention computed from the dense per-sequence K/V, written independently of the library's reference (with
+    Gemma 2's soft-cap and a sliding window when asked)."""
     q = problem.query.astype(np.float64)
     num_seqs, num_heads, head_size = q.shape
     scale = problem.scale if problem.scale is not None else head_size**-0.5
@@ -218,14 +221,17 @@ def dense_attention(problem: Problem) -> np.ndarray:
         if n == 0:
             continue
         group = num_heads // k.shape[1]
+        first = 0 if window_left is None else max(0, n - 1 - window_left)  # the window's first key
         for h in range(num_heads):
-            logits = scale * (k[:, h // group, :] @ q[s, h])
+            logits = scale * (k[first:, h // group, :] @ q[s, h])
+            if soft_cap is not None:
+                logits = soft_cap * np.tanh(logits / soft_cap)
             if problem.alibi_slopes is not None:
-                logits = logits + float(problem.alibi_slopes[h]) * (np.arange(n) - (n - 1))
+                logits = logits + float(problem.alibi_slopes[h]) * (np.arange(first, n) - (n - 1))
             if problem.attn_bias is not None:
-                logits = logits + problem.attn_bias[s, h, :n].astype(np.float64)
+                logits = logits + problem.attn_bias[s, h, first:n].astype(np.float64)
             w = np.exp(logits - logits.max())
-            out[s, h] = (w / w.sum()) @ v[:, h // group, :]
+            out[s, h] = (w / w.sum()) @ v[first:, h // group, :]
     return out
 
 

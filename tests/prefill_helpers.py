@@ -102,9 +102,10 @@ def make_prefill_problem(
                           attn_bias, base.alibi_slopes, scale, kv_layout, causal, base.dense_k, base.dense_v)
 
 
-def dense_prefill_attention(p: PrefillProblem) -> np.ndarray:
+def dense_prefill_attention(p: PrefillProblem, soft_cap: float | None = None,
+                            window_left: int | None = None) -> np.ndarray:
     """Attention of every query row from the dense per-sequence K/V, loop by loop, independent of the library's
-    reference (T5 through the public bucket function)."""
+    reference (T5 through the public bucket function; Gemma 2's soft-cap and a sliding window when asked)."""
     q = p.query.astype(np.float64)
     total, num_heads, head_size = q.shape
     scale = p.scale if p.scale is not None else head_size**-0.5
@@ -118,10 +119,14 @@ def dense_prefill_attention(p: PrefillProblem) -> np.ndarray:
         for i in range(q1 - q0):
             pos = n - (q1 - q0) + i
             keys = np.arange(pos + 1 if p.causal else n)
+            if window_left is not None:
+                keys = keys[keys >= pos - window_left]
             if keys.size == 0:
                 continue
             for h in range(num_heads):
                 logits = scale * (k[keys, h // group, :] @ q[q0 + i, h])
+                if soft_cap is not None:
+                    logits = soft_cap * np.tanh(logits / soft_cap)
                 if p.alibi_slopes is not None:
                     logits += float(p.alibi_slopes[h]) * (keys - pos)
                 if isinstance(p.attn_bias, cpa.RelativePositionBias):

@@ -42,11 +42,11 @@ LAYOUTS = ("nhd", "vllm")
 DTYPES = (np.float32, np.float16, ml_dtypes.bfloat16)
 UNSUPPORTED_HEAD_SIZES = (16, 48, 72, 512)  # multiples of 8, so a kv_layout="vllm" cache can hold them
 UNSUPPORTED_BLOCK_SIZES = (3, 12, 48, 512)
-BAD_LAYOUTS = ("NHD", "hnd", "vllm ", "", None, 0, ("nhd",))
+BAD_LAYOUTS = ("NHD", "HND", "vllm ", "", None, 0, ("nhd",))
 BAD_SCALE_VALUES = (math.nan, -math.inf, math.inf, np.float32("nan"), 10**400)
 BAD_SCALE_KINDS = ("0.125", True, False, 1j, np.array(0.125))
 
-LAYOUT_MSG = r"kv_layout: expected one of 'nhd', 'vllm', got "
+LAYOUT_MSG = r"kv_layout: expected one of 'nhd', 'vllm', 'hnd', got "
 SCALE_MSG = r"scale: expected None or a finite real number, got "
 NOT_AN_ARRAY_MSG = r"expected a NumPy, CuPy, PyTorch or JAX array, got "
 
@@ -243,12 +243,14 @@ DECODE_DTYPE_ERRORS = [
     *(decode_case(f"query-{np.dtype(dt)}", ValueError, rf"query: expected dtype float32, float16 or bfloat16, got "
                   rf"{np.dtype(dt)}", query=lambda a, dt=dt: a["query"].astype(dt))
       for dt in (np.float64, np.int32, np.complex64)),
-    decode_case("key_cache-float16", ValueError, r"key_cache: expected dtype float32 \(the query's\), got float16",
-                key_cache=lambda a: a["key_cache"].astype(np.float16)),
-    decode_case("key_cache-float32-for-float16", ValueError, r"key_cache: expected dtype float16 \(the query's\), "
-                r"got float32", F16, key_cache=lambda a: a["key_cache"].astype(np.float32)),
-    decode_case("value_cache-bfloat16", ValueError, r"value_cache: expected dtype float32 \(the query's\), got "
-                r"bfloat16", value_cache=lambda a: a["value_cache"].astype(ml_dtypes.bfloat16)),
+    decode_case("key_cache-float16", ValueError, r"key_cache: expected dtype float32 \(the query's\) or "
+                r"float8_e4m3fn / float8_e5m2, got float16", key_cache=lambda a: a["key_cache"].astype(np.float16)),
+    decode_case("key_cache-float32-for-float16", ValueError, r"key_cache: expected dtype float16 \(the query's\) "
+                r"or float8_e4m3fn / float8_e5m2, got float32", F16,
+                key_cache=lambda a: a["key_cache"].astype(np.float32)),
+    decode_case("value_cache-bfloat16", ValueError, r"value_cache: expected dtype float32 \(the query's\) or "
+                r"float8_e4m3fn / float8_e5m2, got bfloat16",
+                value_cache=lambda a: a["value_cache"].astype(ml_dtypes.bfloat16)),
     decode_case("value_cache-float16-vllm", ValueError, r"value_cache: expected dtype float32 \(the query's\)", VLLM,
                 value_cache=lambda a: a["value_cache"].astype(np.float16)),
     decode_case("block_tables-int64", ValueError, r"block_tables: expected dtype int32, got int64",
@@ -324,8 +326,8 @@ DECODE_CACHE_MEMORY_ERRORS = [
     decode_case("vllm-x-16-for-bfloat16", ValueError, r"key_cache: kv_layout='vllm' with dtype bfloat16 needs last "
                 r"dimension x = 16 // itemsize = 8", {"layout": "vllm", "dtype": ml_dtypes.bfloat16},
                 key_cache=lambda a: rand(cache_shapes("vllm", x=16)[0], ml_dtypes.bfloat16)),
-    decode_case("vllm-float16-caches-for-float32", ValueError, r"key_cache: kv_layout='vllm' with dtype float32 "
-                r"needs last dimension x = 16 // itemsize = 4", VLLM,
+    decode_case("vllm-float16-caches-for-float32", ValueError, r"key_cache: expected dtype float32 \(the query's\) "
+                r"or float8_e4m3fn / float8_e5m2, got float16", VLLM,
                 key_cache=lambda a: make_caches("vllm", np.float16)[0],
                 value_cache=lambda a: make_caches("vllm", np.float16)[1]),
     # each page contiguous
@@ -762,8 +764,8 @@ PREFILL_ERRORS = [
                  query=lambda a: rand((TOTAL_Q, NUM_HEADS, 48))),
     prefill_case("query-dtype", ValueError, r"query: expected dtype float32, float16 or bfloat16, got float64",
                  query=lambda a: a["query"].astype(np.float64)),
-    prefill_case("key_cache-dtype", ValueError, r"key_cache: expected dtype float32 \(the query's\), got float16",
-                 key_cache=lambda a: a["key_cache"].astype(np.float16)),
+    prefill_case("key_cache-dtype", ValueError, r"key_cache: expected dtype float32 \(the query's\) or float8_e4m3fn / "
+                 r"float8_e5m2, got float16", key_cache=lambda a: a["key_cache"].astype(np.float16)),
     prefill_case("kv-heads", ValueError, r"key_cache: num_kv_heads \(2\) must divide the query's num_heads \(3\)",
                  query=lambda a: a["query"][:, :3], alibi_slopes=None, attn_bias=None),
     prefill_case("query_start_loc-shape", ValueError, r"query_start_loc: expected shape \(4,\) \[num_seqs \+ 1\]",
@@ -807,7 +809,7 @@ PREFILL_ERRORS = [
                  alibi_slopes=lambda a: a["alibi_slopes"][:3]),
     prefill_case("out-shape", ValueError, r"out: expected shape \(16, 4, 32\)",
                  out=lambda a: np.empty((15, NUM_HEADS, HEAD_SIZE), np.float32)),
-    prefill_case("layout", ValueError, r"kv_layout: expected one of 'nhd', 'vllm', got 'hnd'", kv_layout="hnd"),
+    prefill_case("layout", ValueError, r"kv_layout: expected one of 'nhd', 'vllm', 'hnd', got 'HND'", kv_layout="HND"),
     prefill_case("scale-inf", ValueError, r"scale: expected None or a finite real number", scale=math.inf),
     prefill_case("stream-numpy", TypeError, r"stream: NumPy arrays run on the CPU", stream=0),
     prefill_case("mixed-types", TypeError, r"query_start_loc: expected a NumPy, CuPy, PyTorch or JAX array, got "
