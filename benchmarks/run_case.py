@@ -24,7 +24,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--bias", default="none", choices=["none", "dense", "ragged", "t5"])
-    parser.add_argument("--layout", default="nhd")
+    parser.add_argument("--layout", default="nhd", choices=["nhd", "hnd", "vllm"])
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--prefill", action="store_true", help="q_len = length for every sequence")
     parser.add_argument("--causal", action="store_true", help="prefill: mask keys after each query")
@@ -53,8 +53,9 @@ def run(args: argparse.Namespace, torch: Any, cpa: Any) -> None:
         starts = torch.arange(0, (b + 1) * q_len, q_len, device="cuda", dtype=torch.int32)
     else:
         q = torch.randn(b, hq, d, device="cuda", dtype=dtype)
-    if args.layout == "nhd":
-        k = torch.randn(pages, bs, hkv, d, device="cuda", dtype=dtype)
+    if args.layout in ("nhd", "hnd"):
+        shape = (pages, bs, hkv, d) if args.layout == "nhd" else (pages, hkv, bs, d)
+        k = torch.randn(*shape, device="cuda", dtype=dtype)
         v = torch.randn_like(k)
     else:
         x = 16 // q.element_size()

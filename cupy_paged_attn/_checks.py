@@ -23,8 +23,7 @@ DTYPES = {
     np.dtype(np.float16): "f16",
     np.dtype(ml_dtypes.bfloat16): "bf16",
 }
-#: Cache layouts: the kernels' (``_specs.KV_LAYOUTS``) and those only the NumPy path reads so far.
-KV_LAYOUTS = (*_specs.KV_LAYOUTS, "hnd")
+KV_LAYOUTS = _specs.KV_LAYOUTS
 #: fp8 cache formats by the name ``kv_cache_dtype`` takes: the NumPy dtype of a stored value (ml_dtypes').
 FP8_FORMATS = {
     "fp8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn),
@@ -559,11 +558,9 @@ def serving_options(logits_soft_cap: Any, window_left: Any, kv_cache_dtype: Any,
 _NOT_ON_GPU = "the NumPy path computes it; the GPU kernels do not have it yet"
 
 
-def check_kernel_support(kv_layout: str, cache: CacheGeometry, scores: ScoreOptions | None = None) -> None:
-    """NotImplementedError, naming the argument, for an option the GPU kernels lack: the ``"hnd"`` layout, fp8
-    caches, a logit soft-cap, a sliding window."""
-    if kv_layout not in _specs.KV_LAYOUTS:
-        raise NotImplementedError(f"kv_layout: {kv_layout!r} on the GPU; {_NOT_ON_GPU}")
+def check_kernel_support(cache: CacheGeometry, scores: ScoreOptions | None = None) -> None:
+    """NotImplementedError, naming the argument, for an option the GPU kernels lack: fp8 caches, a logit soft-cap,
+    a sliding window."""
     if cache.fp8 is not None:
         raise NotImplementedError(f"key_cache: an fp8 cache ({cache.fp8}) on the GPU; {_NOT_ON_GPU}")
     if scores is not None and scores.soft_cap is not None:

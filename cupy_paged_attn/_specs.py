@@ -28,13 +28,13 @@ CUDA_TYPES = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16"}
 HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
 #: Page sizes: any power of two up to 256 (a run-time parameter of the kernels, not a specialisation).
 BLOCK_SIZES = tuple(2**i for i in range(9))
-KV_LAYOUTS = ("nhd", "vllm")
+KV_LAYOUTS = ("nhd", "vllm", "hnd")
 #: Bias kinds, each a device-side source in bias.cuh (the bias's element dtype is a run-time argument).
 BIAS_MODES = ("none", "dense", "ragged", "t5")
 _CUDA_BIAS = {"none": "cpa::NoBias", "dense": "cpa::DenseBias", "ragged": "cpa::RaggedBias", "t5": "cpa::T5Bias",
               "dense-rows": "cpa::DenseRowsBias", "ragged-rows": "cpa::RaggedRowsBias"}
-_CUDA_LAYOUT = {"nhd": "cpa::KvLayout::kNHD", "vllm": "cpa::KvLayout::kVLLM"}
-_CACHE_LAYOUT = {"nhd": "cpa::CacheLayout::kNHD", "vllm": "cpa::CacheLayout::kVLLM"}
+_CUDA_LAYOUT = {"nhd": "cpa::KvLayout::kNHD", "vllm": "cpa::KvLayout::kVLLM", "hnd": "cpa::KvLayout::kHND"}
+_CACHE_LAYOUT = {"nhd": "cpa::CacheLayout::kNHD", "vllm": "cpa::CacheLayout::kVLLM", "hnd": "cpa::CacheLayout::kHND"}
 #: NVRTC options of every kernel (CuPy adds -arch=sm_<device> and -ftz=true).
 COMPILE_OPTIONS = ("-std=c++17",)
 

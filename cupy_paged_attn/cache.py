@@ -49,8 +49,8 @@ def reshape_and_cache(
     kv_cache_dtype, k_scale, v_scale
         As in :func:`paged_attention`. An fp8 cache stores ``value / scale`` computed in float32, saturated to the
         format's largest finite value (finite input never becomes NaN or inf), rounded to nearest even
-        (:func:`cupy_paged_attn.reference.fp8_quantize`). fp8 caches and ``"hnd"`` are written on the NumPy path
-        only so far (NotImplementedError on the GPU).
+        (:func:`cupy_paged_attn.reference.fp8_quantize`). fp8 caches are written on the NumPy path only so far
+        (NotImplementedError on the GPU).
     validate : bool
         Also check that no slot lies past the cache (``ValueError`` naming the first such token). Copies
         ``slot_mapping`` to the host: a synchronisation, off by default. The NumPy path always does it.
@@ -91,7 +91,7 @@ def reshape_and_cache(
             arr["key"], arr["value"], arr["key_cache"], arr["value_cache"], arr["slot_mapping"], kv_layout,
             kv_cache_dtype, *(arr.get(name, options.get(name)) for name in ("k_scale", "v_scale")),
         )
-        _checks.check_kernel_support(problem.kv_layout, problem.cache)
+        _checks.check_kernel_support(problem.cache)
         if validate:
             _checks.check_slots_host(dataclasses.replace(problem, slot_mapping=reference.to_numpy(slot_mapping)))
         k_cache, v_cache = problem.key_cache, problem.value_cache

@@ -405,7 +405,7 @@ def _check_wrapped(arr: dict[str, Any], attn_bias: Any, scale: Any, kv_layout: A
         scale=scale, attn_bias=attn_bias, alibi_slopes=arr.get("alibi_slopes"), kv_layout=kv_layout,
         out=arr.get("out"), bias_arrays={k: v for k, v in arr.items() if k.startswith("attn_bias")}, **options,
     )
-    _checks.check_kernel_support(problem.kv_layout, problem.cache, problem.scores)
+    _checks.check_kernel_support(problem.cache, problem.scores)
     return problem
 
 
@@ -454,7 +454,7 @@ def paged_attention(
         One query token per sequence. head_size is one of 32, 64, 80, 96, 112, 120, 128, 192, 256.
     key_cache, value_cache : arrays of the query's dtype, or fp8 (see ``kv_cache_dtype``)
         ``kv_layout="nhd"``: both ``[num_blocks, block_size, num_kv_heads, head_size]``.
-        ``kv_layout="hnd"``: both ``[num_blocks, num_kv_heads, block_size, head_size]`` (NumPy path only so far).
+        ``kv_layout="hnd"``: both ``[num_blocks, num_kv_heads, block_size, head_size]`` (FlashInfer's other layout).
         ``kv_layout="vllm"``: key ``[num_blocks, num_kv_heads, head_size // x, block_size, x]`` with
         ``x = 16 // itemsize``, value ``[num_blocks, num_kv_heads, head_size, block_size]`` (vLLM's caches as they
         are). block_size is a power of two up to 256. Each page must be contiguous; the page stride may be larger
@@ -532,7 +532,7 @@ def paged_attention(
     NotImplementedError
         A head_size or block_size outside the supported sets; a dense bias or RaggedBias values whose keys lie
         2**31 bytes or more apart (the kernels step from key to key by a 32-bit byte count); on the GPU,
-        ``kv_layout="hnd"``, fp8 caches, ``logits_soft_cap`` or ``window_left`` (the kernels do not have them yet).
+        fp8 caches, ``logits_soft_cap`` or ``window_left`` (the kernels do not have them yet).
     RuntimeError
         Kernel compilation failed (with the NVRTC log), or NVRTC / CUDA headers are missing (naming the extra).
 

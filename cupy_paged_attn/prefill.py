@@ -194,7 +194,7 @@ def paged_prefill_attention(
             bias_arrays={k: v for k, v in arr.items() if k.startswith("attn_bias")},
             **{**options, **{name: arr[name] for name in scale_arrays}},
         )
-        _checks.check_kernel_support(problem.kv_layout, problem.cache, problem.scores)
+        _checks.check_kernel_support(problem.cache, problem.scores)
         if validate:
             host = dataclasses.replace(
                 problem, seq_lens=reference.to_numpy(seq_lens), block_tables=reference.to_numpy(block_tables),

@@ -10,7 +10,7 @@ namespace cpa {
 
 constexpr int kCacheThreads = 128;
 
-enum class CacheLayout : int { kNHD = 0, kVLLM = 1 };  // as KvLayout in common.cuh
+enum class CacheLayout : int { kNHD = 0, kVLLM = 1, kHND = 2 };  // as KvLayout in paged_cache.cuh
 
 template <typename T, CacheLayout LAYOUT, typename SlotT>
 __global__ void __launch_bounds__(kCacheThreads) reshape_and_cache(
@@ -38,6 +38,10 @@ __global__ void __launch_bounds__(kCacheThreads) reshape_and_cache(
     T* vc = value_cache + blk * cache_block_stride;
     if constexpr (LAYOUT == CacheLayout::kNHD) {
       const long long at = (static_cast<long long>(off) * num_kv_heads + h) * head_size + c * VEC;
+      *reinterpret_cast<uint4*>(kc + at) = k;
+      *reinterpret_cast<uint4*>(vc + at) = v;
+    } else if constexpr (LAYOUT == CacheLayout::kHND) {
+      const long long at = ((static_cast<long long>(h) * block_size) + off) * head_size + c * VEC;
       *reinterpret_cast<uint4*>(kc + at) = k;
       *reinterpret_cast<uint4*>(vc + at) = v;
     } else {

@@ -22,6 +22,8 @@ def make_inputs(rng, dtype, layout, head_size, num_tokens=40):
     value = rng.standard_normal((num_tokens, NUM_KV_HEADS, head_size)).astype(np_dtype)
     if layout == "nhd":
         shape_k = shape_v = (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, head_size)
+    elif layout == "hnd":
+        shape_k = shape_v = (NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, head_size)
     else:
         x = 16 // np.dtype(np_dtype).itemsize
         shape_k = (NUM_BLOCKS, NUM_KV_HEADS, head_size // x, BLOCK_SIZE, x)
@@ -34,7 +36,7 @@ def make_inputs(rng, dtype, layout, head_size, num_tokens=40):
 
 
 @pytest.mark.parametrize("slot_dtype", [np.int32, np.int64])
-@pytest.mark.parametrize("layout", ["nhd", "vllm"])
+@pytest.mark.parametrize("layout", ["nhd", "vllm", "hnd"])
 @pytest.mark.parametrize(("dtype", "head_size"), [("bf16", 128), ("f16", 80), ("f32", 256), ("f32", 32)])
 def test_cupy_matches_reference(rng, dtype, head_size, layout, slot_dtype):
     key, value, k_cache, v_cache, slots = make_inputs(rng, dtype, layout, head_size)
@@ -47,7 +49,7 @@ def test_cupy_matches_reference(rng, dtype, head_size, layout, slot_dtype):
     np.testing.assert_array_equal(to_numpy(dv).view(np.uint8), v_cache.view(np.uint8))
 
 
-@pytest.mark.parametrize("layout", ["nhd", "vllm"])
+@pytest.mark.parametrize("layout", ["nhd", "vllm", "hnd"])
 def test_torch_in_place_with_strided_key(rng, layout):
     torch = pytest.importorskip("torch")
     key, value, k_cache, v_cache, slots = make_inputs(rng, "bf16", layout, 64)

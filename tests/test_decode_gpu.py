@@ -102,7 +102,7 @@ def run_cupy(p, poison_out=True):
                          ids=[f"{d}-d{h}-b{b}" for d, h, b, _ in GRID])
 def test_decode_grid(rng, split, dtype, head_size, block_size, i):
     num_heads, num_kv_heads = HEADS[i % len(HEADS)]
-    layout = ["nhd", "vllm"][i % 2]
+    layout = ["nhd", "vllm", "hnd"][i % 3]
     bias = DENSE_BIASES[i % len(DENSE_BIASES)]
     p = make_problem(rng, SEQ_LENS, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
                      block_size=block_size, dtype=dtype, kv_layout=layout, bias=bias, bias_dtype=dtype,
@@ -115,8 +115,8 @@ KERNEL_GRID = [  # (dtype, head_size, block_size, (num_heads, num_kv_heads), lay
     ("bf16", 128, 16, (32, 8), "nhd", "dense"), ("f16", 128, 8, (8, 2), "vllm", "ragged"),
     ("bf16", 64, 32, (16, 16), "nhd", "t5-bidir"), ("f16", 32, 16, (6, 2), "nhd", "broadcast-head"),
     ("bf16", 80, 16, (8, 1), "vllm", "t5-causal"), ("f16", 96, 32, (40, 2), "nhd", "dense"),
-    ("bf16", 112, 8, (12, 4), "nhd", "none"), ("f16", 120, 16, (16, 4), "vllm", "strided"),
-    ("bf16", 128, 16, (32, 2), "vllm", "t5-causal"), ("f16", 64, 16, (24, 2), "nhd", "dense"),
+    ("bf16", 112, 8, (12, 4), "hnd", "none"), ("f16", 120, 16, (16, 4), "vllm", "strided"),
+    ("bf16", 128, 16, (32, 2), "vllm", "t5-causal"), ("f16", 64, 16, (24, 2), "hnd", "dense"),
 ]
 
 

@@ -24,7 +24,10 @@ REPRESENTATIVES = {
     "prefill_mma": [_specs.PrefillSpec("bf16", 128, "nhd", bias) for bias in _specs.PREFILL_BIAS_MODES],
     "prefill_simt": [_specs.PrefillSpec("f32", 96, "vllm", "t5")],
     "prefill_wgmma": [_specs.PrefillSpec("bf16", 128, "nhd", bias, wgmma=True) for bias in _specs.WGMMA_BIAS_MODES],
-    "cache_write": [_specs.CacheWriteSpec("bf16", "nhd", "i32"), _specs.CacheWriteSpec("f16", "vllm", "i64")],
+    "cache_write": [_specs.CacheWriteSpec("bf16", "nhd", "i32"), _specs.CacheWriteSpec("f16", "vllm", "i64"),
+                    _specs.CacheWriteSpec("bf16", "hnd", "i64")],
+    "decode_mma_hnd": [_specs.DecodeMmaSpec("f16", 64, "hnd", "t5", 8)],
+    "prefill_wgmma_hnd": [_specs.PrefillSpec("f16", 64, "hnd", "none", wgmma=True)],
 }
 
 
@@ -66,7 +69,7 @@ def test_every_specialisation_compiles(group, arch, specs):
 
 
 def test_the_sweep_covers_every_specialisation_once():
-    """The library launches 2,250 specialisations; the sweep compiles each on every architecture it is built for
+    """The library launches 3,375 specialisations; the sweep compiles each on every architecture it is built for
     (clusters need sm_90, the Hopper tiling sm_90a, and the rest builds for both sm_80 and sm_90)."""
     specs = _specs.all_specs()
     assert len(specs) == len(set(specs)) == len({s.key for s in specs})
@@ -75,8 +78,8 @@ def test_the_sweep_covers_every_specialisation_once():
     assert len(swept) == len(set(swept)) == sum(s.offline_arch(a) is not None for s in specs for a in ARCHS)
     counts = {kind: sum(isinstance(s, kind) for s in specs) for kind in (_specs.DecodeSimtSpec, _specs.DecodeMmaSpec,
                                                                           _specs.PrefillSpec, _specs.CacheWriteSpec)}
-    assert counts == {_specs.DecodeSimtSpec: 2 * 3 * 9 * 2 * 4 * 4, _specs.DecodeMmaSpec: 2 * (2 * 7 * 2 * 6 - 2),
-                      _specs.PrefillSpec: 3 * 9 * 2 * 3 + 2 * 2 * 2 * 2, _specs.CacheWriteSpec: 12}
+    assert counts == {_specs.DecodeSimtSpec: 2 * 3 * 9 * 3 * 4 * 4, _specs.DecodeMmaSpec: 2 * (2 * 7 * 3 * 6 - 3),
+                      _specs.PrefillSpec: 3 * 9 * 3 * 3 + 2 * 2 * 3 * 2, _specs.CacheWriteSpec: 18}
 
 
 def test_sources_inline_their_headers_once():

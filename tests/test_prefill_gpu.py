@@ -62,7 +62,7 @@ def run_cupy(p):
                          ids=[f"{d}-d{h}-b{b}" for d, h, b, _ in GRID])
 def test_prefill_grid(rng, split, dtype, head_size, block_size, i):
     num_heads, num_kv_heads = HEADS[i % len(HEADS)]
-    layout = ["nhd", "vllm"][i % 2]
+    layout = ["nhd", "vllm", "hnd"][i % 3]
     bias = BIASES[i % len(BIASES)]
     causal = i % 4 != 1
     p = make_prefill_problem(rng, SEQS, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,

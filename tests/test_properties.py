@@ -36,7 +36,7 @@ def problems(draw, dtypes=("f32", "f16", "bf16"), head_sizes=(32, 64, 80)):
         np.random.default_rng(seed), seq_lens,
         num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
         head_size=draw(st.sampled_from(head_sizes)), block_size=block_size, dtype=dtype,
-        kv_layout=draw(st.sampled_from(["nhd", "vllm"])), bias=draw(st.sampled_from(BIAS_KINDS)),
+        kv_layout=draw(st.sampled_from(["nhd", "vllm", "hnd"])), bias=draw(st.sampled_from(BIAS_KINDS)),
         bias_dtype=draw(st.sampled_from(["f32", dtype])), alibi=draw(st.booleans()),
         scale=draw(st.one_of(st.none(), st.floats(0.05, 2.0))),
         extra_table_cols=draw(st.integers(0, 2)), spare_blocks=draw(st.integers(0, 3)),
