@@ -430,7 +430,8 @@ class DecodeProblem:
         b = self.bias
         return dict(num_seqs=self.num_seqs, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                     head_size=self.head_size, max_len=self.max_len, dtype=self.dtype, kv_layout=self.kv_layout,
-                    bias=b.mode, bias_dtype=b.dtype or "f32", bias_strides=b.strides, t5_max_distance=b.n)
+                    bias=b.mode, bias_dtype=b.dtype or "f32", bias_strides=b.strides, t5_max_distance=b.n,
+                    window_left=self.scores.window_left, soft_cap=self.scores.soft_cap is not None)
 
 
 def check_scale(scale: Any, head_size: int) -> float:
@@ -558,15 +559,10 @@ def serving_options(logits_soft_cap: Any, window_left: Any, kv_cache_dtype: Any,
 _NOT_ON_GPU = "the NumPy path computes it; the GPU kernels do not have it yet"
 
 
-def check_kernel_support(cache: CacheGeometry, scores: ScoreOptions | None = None) -> None:
-    """NotImplementedError, naming the argument, for an option the GPU kernels lack: fp8 caches, a logit soft-cap,
-    a sliding window."""
+def check_kernel_support(cache: CacheGeometry) -> None:
+    """NotImplementedError, naming the argument, for an option the GPU kernels lack: fp8 caches."""
     if cache.fp8 is not None:
         raise NotImplementedError(f"key_cache: an fp8 cache ({cache.fp8}) on the GPU; {_NOT_ON_GPU}")
-    if scores is not None and scores.soft_cap is not None:
-        raise NotImplementedError(f"logits_soft_cap: on the GPU; {_NOT_ON_GPU}")
-    if scores is not None and scores.window_left is not None:
-        raise NotImplementedError(f"window_left: on the GPU; {_NOT_ON_GPU}")
 
 
 def check_out(out: Any, query: Any) -> None:
@@ -707,7 +703,7 @@ class PrefillProblem(DecodeProblem):
     @property
     def shape(self) -> planning.PrefillShape:
         """What planning reads of the problem."""
-        return planning.PrefillShape(**self._shape_fields(), total_q=self.total_q)
+        return planning.PrefillShape(**self._shape_fields(), total_q=self.total_q, causal=self.causal)
 
 
 def check_prefill(

@@ -37,6 +37,8 @@ _CUDA_LAYOUT = {"nhd": "cpa::KvLayout::kNHD", "vllm": "cpa::KvLayout::kVLLM", "h
 _CACHE_LAYOUT = {"nhd": "cpa::CacheLayout::kNHD", "vllm": "cpa::CacheLayout::kVLLM", "hnd": "cpa::CacheLayout::kHND"}
 #: NVRTC options of every kernel (CuPy adds -arch=sm_<device> and -ftz=true).
 COMPILE_OPTIONS = ("-std=c++17",)
+#: The window_left a kernel receives when there is no sliding window (kNoWindow, common.cuh).
+NO_WINDOW = 1 << 30
 
 # ---------------------------------------------------------------------------------------------------------------
 # The SIMT decode (decode_simt.cu)
@@ -68,6 +70,7 @@ class DecodeSimtSpec:
     heads_per_cta: int
     bias: str  # one of BIAS_MODES
     cluster: bool = False
+    scores: bool = False  # the score options (soft-cap, sliding window) compiled in
 
     source: ClassVar[str] = "decode_simt.cu"
     options: ClassVar[tuple[str, ...]] = COMPILE_OPTIONS
@@ -76,7 +79,7 @@ class DecodeSimtSpec:
     @property
     def key(self) -> str:
         return (f"decode_simt_{self.dtype}_d{self.head_size}_{self.layout}_g{self.heads_per_cta}_bias-{self.bias}"
-                f"{'_cluster' if self.cluster else ''}")
+                f"{'_cluster' if self.cluster else ''}{_scores_suffix(self.scores)}")
 
     @property
     def smem_bytes(self) -> int:
@@ -102,7 +105,7 @@ class DecodeSimtSpec:
         """The attention kernel and its split-K combine, as NVRTC name expressions."""
         t = CUDA_TYPES[self.dtype]
         main = (f"cpa::decode_simt<{t}, {self.head_size}, {_CUDA_LAYOUT[self.layout]}, {self.heads_per_cta}, "
-                f"{_CUDA_BIAS[self.bias]}, {'true' if self.cluster else 'false'}>")
+                f"{_CUDA_BIAS[self.bias]}, {_cuda_bool(self.cluster)}, {_cuda_bool(self.scores)}>")
         return main, f"cpa::decode_simt_combine<{t}, {self.head_size}>"
 
 
@@ -251,6 +254,15 @@ def combine_chunks(rows: int, head_size: int, num_parts: int) -> int:
     return -(-rows * head_size // per_cta)
 
 
+def _cuda_bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def _scores_suffix(scores: bool) -> str:
+    """A spec key's mark of the score options."""
+    return "_scores" if scores else ""
+
+
 def _tile_args(dtype: str, head_size: int, layout: str, bias: str) -> str:
     return f"{CUDA_TYPES[dtype]}, {head_size}, {_CUDA_LAYOUT[layout]}, {_CUDA_BIAS[bias]}"
 
@@ -265,6 +277,7 @@ class DecodeMmaSpec:
     layout: str
     bias: str  # one of DECODE_MMA_BIAS_MODES
     rows: int
+    scores: bool = False  # the score options (soft-cap, sliding window) compiled in
 
     source: ClassVar[str] = "decode_mma.cu"
     options: ClassVar[tuple[str, ...]] = COMPILE_OPTIONS
@@ -272,7 +285,8 @@ class DecodeMmaSpec:
 
     @property
     def key(self) -> str:
-        return f"decode_mma_{self.dtype}_d{self.head_size}_{self.layout}_r{self.rows}_bias-{self.bias}"
+        return (f"decode_mma_{self.dtype}_d{self.head_size}_{self.layout}_r{self.rows}_bias-{self.bias}"
+                f"{_scores_suffix(self.scores)}")
 
     @property
     def smem_bytes(self) -> int:
@@ -288,7 +302,7 @@ class DecodeMmaSpec:
     def name_expressions(self) -> tuple[str, str]:
         """The attention kernel and its split-K combine."""
         args = _tile_args(self.dtype, self.head_size, self.layout, self.bias)
-        return (f"cpa::decode_mma<{args}, {self.rows}>",
+        return (f"cpa::decode_mma<{args}, {self.rows}, {_cuda_bool(self.scores)}>",
                 f"cpa::tile_combine<{CUDA_TYPES[self.dtype]}, {self.head_size}, {self.rows}>")
 
 
@@ -303,6 +317,7 @@ class PrefillSpec:
     layout: str
     bias: str  # one of PREFILL_BIAS_MODES
     wgmma: bool = False
+    scores: bool = False  # the score options (soft-cap, sliding window) compiled in
 
 
     @property
@@ -315,7 +330,8 @@ class PrefillSpec:
 
     @property
     def key(self) -> str:
-        return f"prefill_{self.tiling}_{self.dtype}_d{self.head_size}_{self.layout}_bias-{self.bias}"
+        return (f"prefill_{self.tiling}_{self.dtype}_d{self.head_size}_{self.layout}_bias-{self.bias}"
+                f"{_scores_suffix(self.scores)}")
 
     @property
     def rows(self) -> int:
@@ -345,7 +361,8 @@ class PrefillSpec:
 
     def name_expressions(self) -> tuple[str, str, str]:
         """The attention kernel, its split-K combine and the tile plan."""
-        main = f"cpa::prefill_{self.tiling}<{_tile_args(self.dtype, self.head_size, self.layout, self.bias)}>"
+        args = _tile_args(self.dtype, self.head_size, self.layout, self.bias)
+        main = f"cpa::prefill_{self.tiling}<{args}, {_cuda_bool(self.scores)}>"
         combine = f"cpa::tile_combine<{CUDA_TYPES[self.dtype]}, {self.head_size}, {self.rows}>"
         return main, combine, "cpa::prefill_plan"
 
@@ -390,23 +407,24 @@ KernelSpec = DecodeSimtSpec | DecodeMmaSpec | PrefillSpec | CacheWriteSpec
 def decode_simt_specs() -> list[DecodeSimtSpec]:
     """The SIMT decode's: the kernels that write their result (or partials for the combine), then those that
     combine their partitions in a cluster."""
-    return [DecodeSimtSpec(dt, d, lay, g, bias, cluster)
-            for cluster in (False, True) for dt in CUDA_TYPES for d in HEAD_SIZES for lay in KV_LAYOUTS
-            for g in HEADS_PER_CTA for bias in BIAS_MODES]
+    return [DecodeSimtSpec(dt, d, lay, g, bias, cluster, scores)
+            for scores in (False, True) for cluster in (False, True) for dt in CUDA_TYPES for d in HEAD_SIZES
+            for lay in KV_LAYOUTS for g in HEADS_PER_CTA for bias in BIAS_MODES]
 
 
 def decode_mma_specs() -> list[DecodeMmaSpec]:
     """The tensor-core decode's (a staged bias only where its stages fit: decode_bias_fits)."""
-    return [DecodeMmaSpec(dt, d, lay, bias, rows)
-            for dt in ("f16", "bf16") for rows in DECODE_ROWS for d in DECODE_MMA_HEAD_SIZES for lay in KV_LAYOUTS
+    return [DecodeMmaSpec(dt, d, lay, bias, rows, scores)
+            for scores in (False, True) for dt in ("f16", "bf16") for rows in DECODE_ROWS
+            for d in DECODE_MMA_HEAD_SIZES for lay in KV_LAYOUTS
             for bias in DECODE_MMA_BIAS_MODES if decode_bias_fits(bias, d, rows)]
 
 
 def prefill_specs() -> list[PrefillSpec]:
     """Prefill's: the mma.sync and float32 tilings, then the Hopper tiling."""
-    everywhere = [PrefillSpec(dt, d, lay, bias)
+    everywhere = [PrefillSpec(dt, d, lay, bias, scores=scores) for scores in (False, True)
                   for dt in CUDA_TYPES for d in HEAD_SIZES for lay in KV_LAYOUTS for bias in PREFILL_BIAS_MODES]
-    hopper = [PrefillSpec(dt, d, lay, bias, wgmma=True)
+    hopper = [PrefillSpec(dt, d, lay, bias, wgmma=True, scores=scores) for scores in (False, True)
               for dt in ("f16", "bf16") for d in WGMMA_HEAD_SIZES for lay in KV_LAYOUTS for bias in WGMMA_BIAS_MODES]
     return everywhere + hopper
 

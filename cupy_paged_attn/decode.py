@@ -62,6 +62,8 @@ class DecodePlan:
     query, key_cache, value_cache, block_tables, seq_lens, scale, attn_bias, alibi_slopes, kv_layout
         As in :func:`paged_attention`. ``scale``, ``kv_layout``, the bias kind (with a RelativePositionBias's
         geometry) and whether ALiBi is used are fixed by the plan.
+    logits_soft_cap, window_left
+        As in :func:`paged_attention`; fixed by the plan.
 
     Raises
     ------
@@ -81,15 +83,18 @@ class DecodePlan:
         attn_bias: Any = None,
         alibi_slopes: Any = None,
         kv_layout: str = "nhd",
+        logits_soft_cap: float | None = None,
+        window_left: int | None = None,
     ) -> None:
         named = _operands(query, key_cache, value_cache, block_tables, seq_lens, attn_bias, alibi_slopes)
+        options, _ = _checks.serving_options(logits_soft_cap, window_left, "auto", None, None)
         framework = _interop.common_framework(named, optional=("attn_bias", "alibi_slopes"))
         if framework == "numpy":
             raise TypeError("query: a DecodePlan launches GPU kernels; NumPy arrays run through paged_attention")
         device = _interop.device_of("query", query, framework)
         with _interop.launch_context(framework, device, None) as stream:
             arr = _interop.wrap_all(named, framework)
-            problem = _check_wrapped(arr, attn_bias, scale, kv_layout)
+            problem = _check_wrapped(arr, attn_bias, scale, kv_layout, options)
             self._setup(problem, framework, device, query, stream)
         # What run() compares: the caller's torch / CuPy arrays as they are, other frameworks' once imported.
         self._native = framework in ("torch", "cupy")
@@ -338,13 +343,15 @@ class DecodePlan:
 _PLANS = threading.local()
 _MAX_PLANS_PER_THREAD = 64
 _NATIVE = {"torch": "torch", "cupy": "cupy"}  # the top-level module of an operand's type -> signature's kind
+_SCORE_OPTIONS = {"logits_soft_cap", "window_left"}  # options a cached plan holds
 
 
-def _plan_key(named: dict[str, Any], scale: Any, kv_layout: Any,
-              attn_bias: Any) -> tuple[tuple[Any, ...], dict[str, tuple[Any, ...]], DecodePlan | None] | None:
-    """paged_attention's key for operands ``named`` (as :func:`_operands` names them) of torch or CuPy, their
-    signatures and this thread's plan of that key (None if it has none yet); None for other frameworks, or
-    operands that a signature cannot read (the checks then name them)."""
+def _plan_key(named: dict[str, Any], scale: Any, kv_layout: Any, attn_bias: Any, options: dict[str, Any] | None = None,
+              ) -> tuple[tuple[Any, ...], dict[str, tuple[Any, ...]], DecodePlan | None] | None:
+    """paged_attention's key for operands ``named`` (as :func:`_operands` names them) of torch or CuPy and its
+    score options (``logits_soft_cap``, ``window_left``: each value with its type, as ``scale``), their signatures
+    and this thread's plan of that key (None if it has none yet); None for other frameworks, or operands that a
+    signature cannot read (the checks then name them)."""
     kind = _NATIVE.get(type(named["query"]).__module__.partition(".")[0])
     if kind is None:
         return None
@@ -354,7 +361,8 @@ def _plan_key(named: dict[str, Any], scale: Any, kv_layout: Any,
         if device < 0:  # a torch tensor on the CPU
             return None
         key = (kind, tuple(map(type, named.values())), tuple(signatures.values()), type(scale), scale, kv_layout,
-               _checks.bias_geometry(attn_bias), _tuning.current())
+               _checks.bias_geometry(attn_bias), _tuning.current(),
+               tuple((name, type(value), value) for name, value in (options or {}).items()))
         plan = _PLANS.__dict__.get("plans", {}).get(key)  # hashes the key: an unhashable scale or layout raises
     except (AttributeError, TypeError):  # not an array of the query's framework; an unhashable scale or layout
         return None
@@ -367,7 +375,7 @@ def _problem_key(problem: _checks.DecodeProblem, framework: str, device: int) ->
     return (
         framework, device, _tuning.current(), p.dtype, p.head_size, p.kv_layout, p.num_seqs,
         p.num_heads, p.num_kv_heads, p.max_len, p.scale, _kernel_strides(p.query), _kernel_strides(p.block_tables),
-        dataclasses.astuple(p.cache), b.mode, b.strides, b.dtype, b.n, b.m, p.alibi_slopes is None,
+        dataclasses.astuple(p.cache), b.mode, b.strides, b.dtype, b.n, b.m, p.alibi_slopes is None, p.scores,
     )
 
 
@@ -405,7 +413,7 @@ def _check_wrapped(arr: dict[str, Any], attn_bias: Any, scale: Any, kv_layout: A
         scale=scale, attn_bias=attn_bias, alibi_slopes=arr.get("alibi_slopes"), kv_layout=kv_layout,
         out=arr.get("out"), bias_arrays={k: v for k, v in arr.items() if k.startswith("attn_bias")}, **options,
     )
-    _checks.check_kernel_support(problem.cache, problem.scores)
+    _checks.check_kernel_support(problem.cache)
     return problem
 
 
@@ -481,10 +489,11 @@ def paged_attention(
         Layout of the caches, see above.
     logits_soft_cap : float, optional
         Gemma 2's soft-cap ``c > 0``: ``scale * <q, k>`` becomes ``c * tanh(scale * <q, k> / c)`` before the bias and
-        ALiBi are added. NumPy path only so far (NotImplementedError on the GPU).
+        ALiBi are added. On the GPU, 16-bit kernels compute tanh from one exp2 and one reciprocal (absolute error
+        a few units in the last place of ``c``), float32 ones with ``tanhf``.
     window_left : int, optional
         Sliding window ``w >= 0``: the query (at position ``seq_lens[s] - 1``) attends its last ``w + 1`` keys.
-        NumPy path only so far.
+        The GPU kernels read only the pages that hold them (and split only them across CTAs).
     kv_cache_dtype : {"auto", "fp8_e4m3", "fp8_e5m2"}
         ``"auto"``: the caches hold the query's dtype, or ml_dtypes' / torch's ``float8_e4m3fn`` or ``float8_e5m2``.
         ``"fp8_e4m3"`` / ``"fp8_e5m2"``: fp8 caches stored as uint8 (vLLM's convention) or as that float8 dtype.
@@ -531,8 +540,8 @@ def paged_attention(
         ``values``, and fp8 scale arrays' values.
     NotImplementedError
         A head_size or block_size outside the supported sets; a dense bias or RaggedBias values whose keys lie
-        2**31 bytes or more apart (the kernels step from key to key by a 32-bit byte count); on the GPU,
-        fp8 caches, ``logits_soft_cap`` or ``window_left`` (the kernels do not have them yet).
+        2**31 bytes or more apart (the kernels step from key to key by a 32-bit byte count); on the GPU, fp8
+        caches (the kernels do not have them yet).
     RuntimeError
         Kernel compilation failed (with the NVRTC log), or NVRTC / CUDA headers are missing (naming the extra).
 
@@ -549,7 +558,8 @@ def paged_attention(
     """
     operands = _operands(query, key_cache, value_cache, block_tables, seq_lens, attn_bias, alibi_slopes)
     options, scale_arrays = _checks.serving_options(logits_soft_cap, window_left, kv_cache_dtype, k_scale, v_scale)
-    keyed = None if options else _plan_key(operands, scale, kv_layout, attn_bias)
+    # The repeated-call fast path: calls without fp8 caches (their scales may be device arrays, read per call).
+    keyed = _plan_key(operands, scale, kv_layout, attn_bias, options) if options.keys() <= _SCORE_OPTIONS else None
     if keyed is not None and keyed[2] is not None and not validate:
         return keyed[2]._run_native(operands, out, query, stream, keyed[1])
     named = {**operands, **scale_arrays, "out": out}

@@ -150,7 +150,8 @@ def _stream(ctx: Any, buffer: Any) -> int | None:
 
 
 @functools.cache
-def _decode_callback(bias: _BiasSpec, has_alibi: bool, scale: float | None, kv_layout: str) -> Callable[..., None]:
+def _decode_callback(bias: _BiasSpec, has_alibi: bool, scale: float | None, kv_layout: str,
+                     scores: _checks.ScoreOptions) -> Callable[..., None]:
     """One callback per static configuration, so that equal calls stage equal primitives (jit cache hits)."""
 
     def callback(ctx: Any, out: Any, *buffers: Any) -> None:
@@ -160,15 +161,15 @@ def _decode_callback(bias: _BiasSpec, has_alibi: bool, scale: float | None, kv_l
         _decode.paged_attention(
             q, k_cache, v_cache, tables, lens, scale=scale, attn_bias=bias.rebuild(extra[: bias.num_arrays]),
             alibi_slopes=extra[-1] if has_alibi else None, kv_layout=kv_layout, out=_array(out),
-            stream=_stream(ctx, out),
+            stream=_stream(ctx, out), logits_soft_cap=scores.soft_cap, window_left=scores.window_left,
         )
 
     return callback
 
 
 @functools.cache
-def _prefill_callback(bias: _BiasSpec, has_alibi: bool, causal: bool, scale: float | None,
-                      kv_layout: str) -> Callable[..., None]:
+def _prefill_callback(bias: _BiasSpec, has_alibi: bool, causal: bool, scale: float | None, kv_layout: str,
+                      scores: _checks.ScoreOptions) -> Callable[..., None]:
     def callback(ctx: Any, out: Any, *buffers: Any) -> None:
         arrays = [_array(b) for b in buffers]
         q, k_cache, v_cache, tables, lens, starts = arrays[:6]
@@ -176,7 +177,8 @@ def _prefill_callback(bias: _BiasSpec, has_alibi: bool, causal: bool, scale: flo
         _prefill.paged_prefill_attention(
             q, k_cache, v_cache, tables, lens, starts, causal=causal, scale=scale,
             attn_bias=bias.rebuild(extra[: bias.num_arrays]), alibi_slopes=extra[-1] if has_alibi else None,
-            kv_layout=kv_layout, out=_array(out), stream=_stream(ctx, out),
+            kv_layout=kv_layout, out=_array(out), stream=_stream(ctx, out), logits_soft_cap=scores.soft_cap,
+            window_left=scores.window_left,
         )
 
     return callback
@@ -219,6 +221,8 @@ def paged_attention(
     attn_bias: jax.Array | RaggedBias | RelativePositionBias | None = None,
     alibi_slopes: jax.Array | None = None,
     kv_layout: str = "nhd",
+    logits_soft_cap: float | None = None,
+    window_left: int | None = None,
 ) -> jax.Array:
     """:func:`cupy_paged_attn.paged_attention` for ``jax.jit``: arrays or tracers in, a ``jax.Array`` out.
 
@@ -237,7 +241,11 @@ def paged_attention(
         :class:`~cupy_paged_attn.RelativePositionBias` (built outside ``jit``, or with
         :func:`relative_position_bias` inside).
     alibi_slopes : jax.Array ``[num_heads]``, float32, optional
-    kv_layout : {"nhd", "vllm"}
+    kv_layout : {"nhd", "vllm", "hnd"}
+    logits_soft_cap : float, optional
+        Static. Gemma 2's soft-cap: a logit is ``c * tanh(scale * <q, k> / c)`` before the bias and ALiBi.
+    window_left : int, optional
+        Static. A sliding window: the query at position ``p`` attends keys ``p - window_left ... p``.
 
     Returns
     -------
@@ -257,9 +265,10 @@ def paged_attention(
         operands.append(alibi_slopes)
     stand = [_stand_in(x) for x in (query, key_cache, value_cache, block_tables, seq_lens)]
     bias, named = _stand_in_bias(spec, bias_arrays)
-    _checks.check_decode(*stand, scale=scale, attn_bias=bias, alibi_slopes=_stand_in(alibi_slopes),
-                         kv_layout=kv_layout, out=None, bias_arrays=named)
-    callback = _decode_callback(spec, alibi_slopes is not None, _scale(scale), kv_layout)
+    problem = _checks.check_decode(*stand, scale=scale, attn_bias=bias, alibi_slopes=_stand_in(alibi_slopes),
+                                   kv_layout=kv_layout, out=None, bias_arrays=named, logits_soft_cap=logits_soft_cap,
+                                   window_left=window_left)
+    callback = _decode_callback(spec, alibi_slopes is not None, _scale(scale), kv_layout, problem.scores)
     result = jax.ShapeDtypeStruct(query.shape, query.dtype)
     return _buffer_callback()(callback, result)(*operands)
 
@@ -277,6 +286,8 @@ def paged_prefill_attention(
     attn_bias: jax.Array | RelativePositionBias | None = None,
     alibi_slopes: jax.Array | None = None,
     kv_layout: str = "nhd",
+    logits_soft_cap: float | None = None,
+    window_left: int | None = None,
 ) -> jax.Array:
     """:func:`cupy_paged_attn.prefill.paged_prefill_attention` for ``jax.jit``.
 
@@ -285,8 +296,11 @@ def paged_prefill_attention(
     query : jax.Array ``[total_query_tokens, num_heads, head_size]``, float16 / bfloat16 / float32
         The query rows of all sequences, packed; sequence ``s``'s rows are the last ``q_len`` of its
         ``seq_lens[s]`` keys.
-    key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, kv_layout
+    key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, kv_layout, logits_soft_cap
         As in :func:`paged_attention`.
+    window_left : int, optional
+        Static. A sliding window: a query row at position ``p`` attends keys ``p - window_left`` on (through ``p``
+        when ``causal``; without ``causal`` only the keys before ``p - window_left`` are masked).
     query_start_loc : jax.Array ``[num_seqs + 1]``, int32
         Sequence ``s`` owns query rows ``query_start_loc[s] : query_start_loc[s + 1]``.
     causal : bool
@@ -310,9 +324,11 @@ def paged_prefill_attention(
         operands.append(alibi_slopes)
     stand = [_stand_in(x) for x in (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)]
     bias, named = _stand_in_bias(spec, bias_arrays)
-    _checks.check_prefill(*stand, causal=causal, scale=scale, attn_bias=bias, alibi_slopes=_stand_in(alibi_slopes),
-                          kv_layout=kv_layout, out=None, bias_arrays=named)
-    callback = _prefill_callback(spec, alibi_slopes is not None, bool(causal), _scale(scale), kv_layout)
+    problem = _checks.check_prefill(*stand, causal=causal, scale=scale, attn_bias=bias,
+                                    alibi_slopes=_stand_in(alibi_slopes), kv_layout=kv_layout, out=None,
+                                    bias_arrays=named, logits_soft_cap=logits_soft_cap, window_left=window_left)
+    callback = _prefill_callback(spec, alibi_slopes is not None, bool(causal), _scale(scale), kv_layout,
+                                 problem.scores)
     result = jax.ShapeDtypeStruct(query.shape, query.dtype)
     return _buffer_callback()(callback, result)(*operands)
 

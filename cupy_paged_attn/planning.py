@@ -89,7 +89,9 @@ class DecodeShape:
     ``bias`` is the bias kind (``"none"``, ``"dense"``, ``"ragged"``, ``"t5"``) and ``bias_dtype`` its elements'
     dtype. ``bias_strides`` are the kernels' four bias strides in elements (dense: sequence, head, query row, key;
     ragged: row, head, 0, 0); None means a C-ordered bias (dense ``[num_seqs, num_heads, max_len]``, ragged
-    ``[total, num_heads]``). ``t5_max_distance`` is a T5 bias's ``max_distance``.
+    ``[total, num_heads]``). ``t5_max_distance`` is a T5 bias's ``max_distance``. ``window_left``: a sliding window
+    (None: none); the split then cuts the window's keys, not ``max_len``. ``soft_cap``: the call has a logit soft-cap.
+    Either option runs the kernels compiled with the score options (``score_options``).
     """
 
     num_seqs: int
@@ -103,6 +105,13 @@ class DecodeShape:
     bias_dtype: str = "bf16"
     bias_strides: tuple[int, int, int, int] | None = field(default=None)
     t5_max_distance: int = 0
+    window_left: int | None = None
+    soft_cap: bool = False
+
+    @property
+    def score_options(self) -> bool:
+        """The kernels compiled with the score options (soft-cap, sliding window) run this call."""
+        return self.soft_cap or self.window_left is not None
 
     @property
     def group_size(self) -> int:
@@ -122,9 +131,11 @@ class DecodeShape:
 
 @dataclass(frozen=True)
 class PrefillShape(DecodeShape):
-    """What planning reads of a prefill call: a decode shape's fields plus the query rows of all sequences."""
+    """What planning reads of a prefill call: a decode shape's fields plus the query rows of all sequences and
+    whether keys after a query are masked."""
 
     total_q: int = 0
+    causal: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -150,6 +161,17 @@ def split_keys(ctas: int, max_len: int, num_sms: int, tile: int, resident: int |
     elif 0 < ctas < _SPLIT_BELOW_CTAS_PER_SM * num_sms:
         parts = min(-(-_CTAS_PER_SM_TARGET * num_sms // ctas), most)
     return partitions(max_len, parts, tile)
+
+
+def window_keys(shape: DecodeShape, tile: int, span: int = 1) -> int:
+    """The most keys one CTA's rows can see: ``max_len``, or with a sliding window ``w`` the window (``w`` keys
+    before the first of the CTA's ``span`` query positions, through the last) plus the ``tile - 1`` keys before it
+    that the kernels' first tile starts with (they start on a multiple of ``tile``). Prefill without ``causal`` sees
+    every key from the window's first on."""
+    w = shape.window_left
+    if w is None or (isinstance(shape, PrefillShape) and not shape.causal):
+        return shape.max_len
+    return min(shape.max_len, w + span + tile - 1)
 
 
 def tail_parts(ctas: int, slots: int) -> int:
@@ -291,23 +313,26 @@ def plan_decode(shape: DecodeShape, device: Device, tuning: _tuning.Tuning | Non
         rows = _specs.decode_rows(p.group_size)
         ctas = p.num_seqs * -(-p.group_size // rows) * p.num_kv_heads
         resident = _specs.decode_ctas_per_sm(p.head_size, rows)
-        tokens_per_part, parts = split_keys(ctas, p.max_len, num_sms, _specs.tile_keys(p.head_size, rows),
-                                            resident=resident)
-        spec = DecodeMmaSpec(p.dtype, p.head_size, p.kv_layout, tensor_core_bias_mode(p, rows), rows)
+        tile = _specs.tile_keys(p.head_size, rows)
+        tokens_per_part, parts = split_keys(ctas, window_keys(p, tile), num_sms, tile, resident=resident)
+        spec = DecodeMmaSpec(p.dtype, p.head_size, p.kv_layout, tensor_core_bias_mode(p, rows), rows,
+                             p.score_options)
         # A combine of few partitions (one group) covers the rows that hold heads (the group's, where it is smaller
         # than a tile); of several, the whole tile (tile_combine in split_k.cuh).
         head_rows = min(rows, p.group_size) if _specs.combine_vec(parts) == 4 else rows
         combine_grid = (ctas, 1, _specs.combine_chunks(head_rows, p.head_size, parts))
         return DecodeLaunch(spec, (ctas, 1, parts), tokens_per_part, parts, spec.threads, spec.smem_bytes,
                             combine_grid, _specs.COMBINE_THREADS,
-                            longest_first(p.num_seqs, ctas * parts, resident * num_sms, t), dependent and parts > 1)
+                            p.window_left is None and longest_first(p.num_seqs, ctas * parts, resident * num_sms, t),
+                            dependent and parts > 1)
     hg = heads_per_cta(p.group_size)
     chunks = -(-p.group_size // hg)
     ctas = p.num_seqs * p.num_kv_heads * chunks
-    tokens_per_part, parts = split_keys(ctas, p.max_len, num_sms, _specs.DECODE_SIMT_TILE_MULTIPLE)
+    tokens_per_part, parts = split_keys(ctas, window_keys(p, _specs.DECODE_SIMT_TILE_MULTIPLE), num_sms,
+                                        _specs.DECODE_SIMT_TILE_MULTIPLE)
     cluster = (t.cluster_combine and device.clusters and 1 < parts <= _specs.DECODE_CLUSTER_MAX_PARTS
                and ctas * parts <= _CLUSTER_CTAS_PER_SM * num_sms)
-    spec = DecodeSimtSpec(p.dtype, p.head_size, p.kv_layout, hg, p.bias, cluster)
+    spec = DecodeSimtSpec(p.dtype, p.head_size, p.kv_layout, hg, p.bias, cluster, p.score_options)
     smem = spec.smem_bytes
     if parts > 1 and not cluster:
         smem = occupancy_smem(smem, _SPLIT_CTAS_PER_SM, device)
@@ -315,7 +340,9 @@ def plan_decode(shape: DecodeShape, device: Device, tuning: _tuning.Tuning | Non
     # within each cannot change which CTAs make the last wave; ordered, the long ragged case (B8 H16 d64, 5
     # partitions, 1.6 waves) ran 0.1-0.9 % slower. (The tensor-core decode's ranked split grids go sequence by
     # sequence instead; for that case's few long sequences a fluid model of the waves predicts it slower here.)
-    ordered = parts == 1 and longest_first(p.num_seqs, ctas, spec.max_ctas_per_sm * num_sms, t)
+    # (Not with a sliding window: the kernel's ranking reads the first keys' block ids before it knows the window.)
+    ordered = (parts == 1 and p.window_left is None
+               and longest_first(p.num_seqs, ctas, spec.max_ctas_per_sm * num_sms, t))
     return DecodeLaunch(spec, (ctas, 1, parts), tokens_per_part, parts, spec.threads, smem,
                         (p.num_seqs, p.num_heads, 1), _specs.DECODE_COMBINE_THREADS, ordered, dependent and parts > 1)
 
@@ -366,7 +393,9 @@ def plan_prefill(shape: PrefillShape, device: Device, tuning: _tuning.Tuning | N
              and p.bias in _specs.WGMMA_BIAS_MODES and (p.bias != "t5" or t5_table_fits(p)))
     rows = _specs.prefill_rows_per_cta(p.dtype, p.head_size)
     full_tiles = -(-p.total_q * p.group_size // rows)
-    tokens_per_part, parts = split_keys(max(1, full_tiles * p.num_kv_heads), p.max_len, t.num_sms or device.num_sms,
-                                        _specs.tile_keys(p.head_size, wgmma=wgmma))
-    spec = PrefillSpec(p.dtype, p.head_size, p.kv_layout, p.bias, wgmma=wgmma)
+    tile = _specs.tile_keys(p.head_size, wgmma=wgmma)
+    span = (rows - 1) // p.group_size + 1  # query positions of one CTA
+    tokens_per_part, parts = split_keys(max(1, full_tiles * p.num_kv_heads), window_keys(p, tile, span),
+                                        t.num_sms or device.num_sms, tile)
+    spec = PrefillSpec(p.dtype, p.head_size, p.kv_layout, p.bias, wgmma=wgmma, scores=p.score_options)
     return PrefillLaunch(spec, full_tiles + p.num_seqs, tokens_per_part, parts)

@@ -128,8 +128,8 @@ def paged_prefill_attention(
         ALiBi slopes; adds ``alibi_slopes[h] * (j - p)``.
     kv_layout : {"nhd", "vllm", "hnd"}
     logits_soft_cap, window_left, kv_cache_dtype, k_scale, v_scale
-        As in :func:`paged_attention` (so far the NumPy path only: NotImplementedError on the GPU). With
-        ``causal=False`` a window masks only the keys before ``p - window_left``.
+        As in :func:`paged_attention` (fp8 caches on the NumPy path only so far: NotImplementedError on the GPU).
+        With ``causal=False`` a window masks only the keys before ``p - window_left``.
     out : array like ``query``, optional
         Written in place and returned (last dimension contiguous). Rows of ``query`` that belong to no sequence
         are not written. Not accepted for JAX.
@@ -157,7 +157,7 @@ def paged_prefill_attention(
         ``scale``, one device. On the NumPy path (and with ``validate=True``) also the data.
     NotImplementedError
         A head_size or block_size outside the supported sets; a RaggedBias; a dense bias whose keys lie 2**31
-        bytes or more apart.
+        bytes or more apart; on the GPU, fp8 caches (the kernels do not have them yet).
     RuntimeError
         Kernel compilation failed (with the NVRTC log), or NVRTC / CUDA headers are missing.
 
@@ -194,7 +194,7 @@ def paged_prefill_attention(
             bias_arrays={k: v for k, v in arr.items() if k.startswith("attn_bias")},
             **{**options, **{name: arr[name] for name in scale_arrays}},
         )
-        _checks.check_kernel_support(problem.cache, problem.scores)
+        _checks.check_kernel_support(problem.cache)
         if validate:
             host = dataclasses.replace(
                 problem, seq_lens=reference.to_numpy(seq_lens), block_tables=reference.to_numpy(block_tables),

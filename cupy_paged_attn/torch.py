@@ -43,7 +43,8 @@ Tensor = torch.Tensor
 _NS = "cupy_paged_attn"
 _KV = "Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens"
 _T5 = "Tensor bias_table, Tensor bias_buckets, int num_buckets, int max_distance, bool bidirectional"
-_TAIL = "Tensor? alibi_slopes, float? scale, str kv_layout"
+_TAIL = ("Tensor? alibi_slopes, float? scale, str kv_layout, float? logits_soft_cap=None, "
+         "int? window_left=None")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -65,69 +66,69 @@ def _empty_like_query(query: Tensor) -> Tensor:
 
 
 def _decode_into(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                 bias: Any, alibi_slopes: Tensor | None, scale: float | None, kv_layout: str) -> Tensor:
+                 bias: Any, *tail: Any) -> Tensor:
+    """The decode into a new output; ``tail``: the operators' common last arguments (``_TAIL``; the dispatcher
+    leaves out trailing ones that equal their defaults)."""
+    alibi_slopes, scale, kv_layout, logits_soft_cap, window_left = (*tail, None, None)[:5]
     out = _empty_like_query(query)
     _decode.paged_attention(
         _lib(query), _lib(key_cache), _lib(value_cache), _lib(block_tables), _lib(seq_lens), scale=scale,
         attn_bias=bias, alibi_slopes=_lib(alibi_slopes), kv_layout=kv_layout, out=_lib(out),
+        logits_soft_cap=logits_soft_cap, window_left=window_left,
     )
     return out
 
 
 def _prefill_into(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                  query_start_loc: Tensor, causal: bool, bias: Any, alibi_slopes: Tensor | None,
-                  scale: float | None, kv_layout: str) -> Tensor:
+                  query_start_loc: Tensor, causal: bool, bias: Any, *tail: Any) -> Tensor:
+    """The prefill into a new output; ``tail`` as in :func:`_decode_into`."""
+    alibi_slopes, scale, kv_layout, logits_soft_cap, window_left = (*tail, None, None)[:5]
     out = _empty_like_query(query)
     _prefill.paged_prefill_attention(
         _lib(query), _lib(key_cache), _lib(value_cache), _lib(block_tables), _lib(seq_lens), _lib(query_start_loc),
         causal=causal, scale=scale, attn_bias=bias, alibi_slopes=_lib(alibi_slopes), kv_layout=kv_layout,
-        out=_lib(out),
+        out=_lib(out), logits_soft_cap=logits_soft_cap, window_left=window_left,
     )
     return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The operators. Each: the CUDA implementation, the CPU one (reference), the fake one (shapes only).
+# The operators. Each: the CUDA implementation, the CPU one (reference), the fake one (shapes only). Their last
+# arguments are _TAIL's, passed on as they come (``*tail``).
 # ---------------------------------------------------------------------------------------------------------------
 @torch.library.custom_op(f"{_NS}::paged_attention", mutates_args=(), device_types="cuda",
                          schema=f"({_KV}, Tensor? attn_bias, {_TAIL}) -> Tensor")
 def _paged_attention_op(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                        seq_lens: Tensor, attn_bias: Tensor | None, alibi_slopes: Tensor | None, scale: float | None,
-                        kv_layout: str) -> Tensor:
-    return _decode_into(query, key_cache, value_cache, block_tables, seq_lens, attn_bias, alibi_slopes, scale,
-                        kv_layout)
+                        seq_lens: Tensor, attn_bias: Tensor | None, *tail: Any) -> Tensor:
+    return _decode_into(query, key_cache, value_cache, block_tables, seq_lens, attn_bias, *tail)
 
 
 @_paged_attention_op.register_kernel("cpu")
-def _(query, key_cache, value_cache, block_tables, seq_lens, attn_bias, alibi_slopes, scale, kv_layout):
-    return _decode_into(query, key_cache, value_cache, block_tables, seq_lens, _lib(attn_bias), alibi_slopes, scale,
-                        kv_layout)
+def _(query, key_cache, value_cache, block_tables, seq_lens, attn_bias, *tail):
+    return _decode_into(query, key_cache, value_cache, block_tables, seq_lens, _lib(attn_bias), *tail)
 
 
 @_paged_attention_op.register_fake
-def _(query, key_cache, value_cache, block_tables, seq_lens, attn_bias, alibi_slopes, scale, kv_layout):
+def _(query, *rest):
     return query.new_empty(query.shape)
 
 
 @torch.library.custom_op(f"{_NS}::paged_attention_ragged", mutates_args=(), device_types="cuda",
                          schema=f"({_KV}, Tensor bias_values, Tensor bias_offsets, {_TAIL}) -> Tensor")
 def _paged_attention_ragged_op(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                               seq_lens: Tensor, bias_values: Tensor, bias_offsets: Tensor,
-                               alibi_slopes: Tensor | None, scale: float | None, kv_layout: str) -> Tensor:
+                               seq_lens: Tensor, bias_values: Tensor, bias_offsets: Tensor, *tail: Any) -> Tensor:
     return _decode_into(query, key_cache, value_cache, block_tables, seq_lens, RaggedBias(bias_values, bias_offsets),
-                        alibi_slopes, scale, kv_layout)
+                        *tail)
 
 
 @_paged_attention_ragged_op.register_kernel("cpu")
-def _(query, key_cache, value_cache, block_tables, seq_lens, bias_values, bias_offsets, alibi_slopes, scale,
-      kv_layout):
+def _(query, key_cache, value_cache, block_tables, seq_lens, bias_values, bias_offsets, *tail):
     bias = RaggedBias(_host_view(bias_values), _host_view(bias_offsets))
-    return _decode_into(query, key_cache, value_cache, block_tables, seq_lens, bias, alibi_slopes, scale, kv_layout)
+    return _decode_into(query, key_cache, value_cache, block_tables, seq_lens, bias, *tail)
 
 
 @_paged_attention_ragged_op.register_fake
-def _(query, key_cache, value_cache, block_tables, seq_lens, bias_values, bias_offsets, alibi_slopes, scale,
-      kv_layout):
+def _(query, *rest):
     return query.new_empty(query.shape)
 
 
@@ -135,24 +136,22 @@ def _(query, key_cache, value_cache, block_tables, seq_lens, bias_values, bias_o
                          schema=f"({_KV}, {_T5}, {_TAIL}) -> Tensor")
 def _paged_attention_t5_op(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
                            seq_lens: Tensor, bias_table: Tensor, bias_buckets: Tensor, num_buckets: int,
-                           max_distance: int, bidirectional: bool, alibi_slopes: Tensor | None, scale: float | None,
-                           kv_layout: str) -> Tensor:
+                           max_distance: int, bidirectional: bool, *tail: Any) -> Tensor:
     bias = RelativePositionBias.from_buckets(bias_table, bias_buckets, num_buckets=num_buckets,
                                              max_distance=max_distance, bidirectional=bidirectional)
-    return _decode_into(query, key_cache, value_cache, block_tables, seq_lens, bias, alibi_slopes, scale, kv_layout)
+    return _decode_into(query, key_cache, value_cache, block_tables, seq_lens, bias, *tail)
 
 
 @_paged_attention_t5_op.register_kernel("cpu")
 def _(query, key_cache, value_cache, block_tables, seq_lens, bias_table, bias_buckets, num_buckets, max_distance,
-      bidirectional, alibi_slopes, scale, kv_layout):
+      bidirectional, *tail):
     bias = RelativePositionBias.from_buckets(_host_view(bias_table), _host_view(bias_buckets), num_buckets=num_buckets,
                                              max_distance=max_distance, bidirectional=bidirectional)
-    return _decode_into(query, key_cache, value_cache, block_tables, seq_lens, bias, alibi_slopes, scale, kv_layout)
+    return _decode_into(query, key_cache, value_cache, block_tables, seq_lens, bias, *tail)
 
 
 @_paged_attention_t5_op.register_fake
-def _(query, key_cache, value_cache, block_tables, seq_lens, bias_table, bias_buckets, num_buckets, max_distance,
-      bidirectional, alibi_slopes, scale, kv_layout):
+def _(query, *rest):
     return query.new_empty(query.shape)
 
 
@@ -162,21 +161,19 @@ def _(query, key_cache, value_cache, block_tables, seq_lens, bias_table, bias_bu
 )
 def _paged_prefill_attention_op(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
                                 seq_lens: Tensor, query_start_loc: Tensor, causal: bool, attn_bias: Tensor | None,
-                                alibi_slopes: Tensor | None, scale: float | None, kv_layout: str) -> Tensor:
+                                *tail: Any) -> Tensor:
     return _prefill_into(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, causal, attn_bias,
-                         alibi_slopes, scale, kv_layout)
+                         *tail)
 
 
 @_paged_prefill_attention_op.register_kernel("cpu")
-def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, causal, attn_bias, alibi_slopes, scale,
-      kv_layout):
+def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, causal, attn_bias, *tail):
     return _prefill_into(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, causal,
-                         _lib(attn_bias), alibi_slopes, scale, kv_layout)
+                         _lib(attn_bias), *tail)
 
 
 @_paged_prefill_attention_op.register_fake
-def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, causal, attn_bias, alibi_slopes, scale,
-      kv_layout):
+def _(query, *rest):
     return query.new_empty(query.shape)
 
 
@@ -187,25 +184,22 @@ def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, ca
 def _paged_prefill_attention_t5_op(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
                                    seq_lens: Tensor, query_start_loc: Tensor, causal: bool, bias_table: Tensor,
                                    bias_buckets: Tensor, num_buckets: int, max_distance: int, bidirectional: bool,
-                                   alibi_slopes: Tensor | None, scale: float | None, kv_layout: str) -> Tensor:
+                                   *tail: Any) -> Tensor:
     bias = RelativePositionBias.from_buckets(bias_table, bias_buckets, num_buckets=num_buckets,
                                              max_distance=max_distance, bidirectional=bidirectional)
-    return _prefill_into(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, causal, bias,
-                         alibi_slopes, scale, kv_layout)
+    return _prefill_into(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, causal, bias, *tail)
 
 
 @_paged_prefill_attention_t5_op.register_kernel("cpu")
 def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, causal, bias_table, bias_buckets,
-      num_buckets, max_distance, bidirectional, alibi_slopes, scale, kv_layout):
+      num_buckets, max_distance, bidirectional, *tail):
     bias = RelativePositionBias.from_buckets(_host_view(bias_table), _host_view(bias_buckets), num_buckets=num_buckets,
                                              max_distance=max_distance, bidirectional=bidirectional)
-    return _prefill_into(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, causal, bias,
-                         alibi_slopes, scale, kv_layout)
+    return _prefill_into(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, causal, bias, *tail)
 
 
 @_paged_prefill_attention_t5_op.register_fake
-def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, causal, bias_table, bias_buckets,
-      num_buckets, max_distance, bidirectional, alibi_slopes, scale, kv_layout):
+def _(query, *rest):
     return query.new_empty(query.shape)
 
 
@@ -244,6 +238,8 @@ def paged_attention(
     attn_bias: Tensor | RaggedBias | RelativePositionBias | None = None,
     alibi_slopes: Tensor | None = None,
     kv_layout: str = "nhd",
+    logits_soft_cap: float | None = None,
+    window_left: int | None = None,
 ) -> Tensor:
     """:func:`cupy_paged_attn.paged_attention` as a torch operator: traceable by ``torch.compile(fullgraph=True)``.
 
@@ -263,7 +259,11 @@ def paged_attention(
         int32) or a :class:`~cupy_paged_attn.RelativePositionBias` built from a tensor table (build it once, outside
         the compiled function or CUDA-graph capture).
     alibi_slopes : Tensor ``[num_heads]``, float32, optional
-    kv_layout : {"nhd", "vllm"}
+    kv_layout : {"nhd", "vllm", "hnd"}
+    logits_soft_cap : float, optional
+        Gemma 2's soft-cap: a logit is ``c * tanh(scale * <q, k> / c)`` before the bias and ALiBi.
+    window_left : int, optional
+        A sliding window: the query at position ``p`` attends keys ``p - window_left ... p``.
 
     Returns
     -------
@@ -276,13 +276,14 @@ def paged_attention(
         As :func:`cupy_paged_attn.paged_attention`, when the operator runs (a fake tensor is not checked).
     """
     args = (query, key_cache, value_cache, block_tables, seq_lens)
+    tail = (alibi_slopes, scale, kv_layout, logits_soft_cap, window_left)
     if isinstance(attn_bias, RaggedBias):
         return torch.ops.cupy_paged_attn.paged_attention_ragged(
-            *args, attn_bias.values, attn_bias.offsets, alibi_slopes, scale, kv_layout)
+            *args, attn_bias.values, attn_bias.offsets, *tail)
     if isinstance(attn_bias, RelativePositionBias):
         return torch.ops.cupy_paged_attn.paged_attention_t5(
-            *args, *_t5_args(attn_bias), alibi_slopes, scale, kv_layout)
-    return torch.ops.cupy_paged_attn.paged_attention(*args, attn_bias, alibi_slopes, scale, kv_layout)
+            *args, *_t5_args(attn_bias), *tail)
+    return torch.ops.cupy_paged_attn.paged_attention(*args, attn_bias, *tail)
 
 
 def paged_prefill_attention(
@@ -298,6 +299,8 @@ def paged_prefill_attention(
     attn_bias: Tensor | RelativePositionBias | None = None,
     alibi_slopes: Tensor | None = None,
     kv_layout: str = "nhd",
+    logits_soft_cap: float | None = None,
+    window_left: int | None = None,
 ) -> Tensor:
     """:func:`cupy_paged_attn.prefill.paged_prefill_attention` as a torch operator.
 
@@ -306,8 +309,11 @@ def paged_prefill_attention(
     query : Tensor ``[total_query_tokens, num_heads, head_size]``, float16 / bfloat16 / float32
         The query rows of all sequences, packed; sequence ``s``'s rows are the last ``q_len`` of its
         ``seq_lens[s]`` keys.
-    key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, kv_layout
+    key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, kv_layout, logits_soft_cap
         As in :func:`paged_attention`.
+    window_left : int, optional
+        A sliding window: query row ``i`` at position ``p`` attends keys ``p - window_left`` on (through ``p`` when
+        ``causal``; without ``causal`` only the keys before ``p - window_left`` are masked).
     query_start_loc : Tensor ``[num_seqs + 1]``, int32
         Sequence ``s`` owns query rows ``query_start_loc[s] : query_start_loc[s + 1]``.
     causal : bool
@@ -322,13 +328,14 @@ def paged_prefill_attention(
         New, contiguous, of the query's dtype and device. Rows that belong to no sequence are left unwritten.
     """
     args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, causal)
+    tail = (alibi_slopes, scale, kv_layout, logits_soft_cap, window_left)
     if isinstance(attn_bias, RaggedBias):
         raise NotImplementedError("attn_bias: RaggedBias is a decode bias; pass a dense tensor or a "
                                   "RelativePositionBias to prefill")
     if isinstance(attn_bias, RelativePositionBias):
         return torch.ops.cupy_paged_attn.paged_prefill_attention_t5(
-            *args, *_t5_args(attn_bias), alibi_slopes, scale, kv_layout)
-    return torch.ops.cupy_paged_attn.paged_prefill_attention(*args, attn_bias, alibi_slopes, scale, kv_layout)
+            *args, *_t5_args(attn_bias), *tail)
+    return torch.ops.cupy_paged_attn.paged_prefill_attention(*args, attn_bias, *tail)
 
 
 def reshape_and_cache(

@@ -47,6 +47,29 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// The sliding window a kernel receives when there is none (window_left: a query at position p attends keys p −
+// window_left ... p). Large enough to mask nothing, small enough that p − kNoWindow stays within int32.
+constexpr int kNoWindow = 1 << 30;
+
+// Gemma 2's logit soft-cap, x -> cap·tanh(x / cap) on a natural-unit logit x, before the bias and ALiBi. It works in
+// the units of its input: with y = x·log2(e) / mult (mult: the factor the caller still applies to y, scale·log2(e)
+// for a raw <q, k>, 1 for a logit already in base 2), apply(y) = A·tanh(y / A), A = cap·log2(e) / mult, is the capped
+// logit in y's units, so the caller's terms after it stay as they are. 16-bit kernels take A − 2A / (2^(y·k) + 1),
+// k = 2·mult / cap: one MUFU.EX2 and one reciprocal, whose absolute error stays within a few units in the last place
+// of A; float32 ones (EXACT) tanhf, as the float32 tolerance asks. A kernel makes it inside its `soft_cap > 0`
+// branch, from its parameters, so that no register holds it where there is no cap.
+struct SoftCap {
+  float a, k;  // A, 2·mult / cap
+  static __device__ __forceinline__ SoftCap make(float cap, float mult) {
+    return {cap * kLog2e / mult, 2.0f * mult / cap};
+  }
+  template <bool EXACT>
+  __device__ __forceinline__ float apply(float y) const {
+    if constexpr (EXACT) return a * tanhf(y / a);
+    return fmaf(-2.0f * a, __fdividef(1.0f, fast_exp2(y * k) + 1.0f), a);
+  }
+};
+
 // Programmatic dependent launch (sm_90 and later; no-ops before, and when the launch did not ask for it). An
 // attention kernel lets its split-K combine launch early; the combine waits for the attention kernel's grid to
 // complete, with its writes visible, before it reads them. A split attention kernel is itself launched as a

@@ -54,11 +54,12 @@ struct StagedBias {
 // ---------------------------------------------------------------------------------------------------------------
 // The kernel. Template parameters: T (__half / __nv_bfloat16), HEAD, cache LAYOUT, Bias = NoBias, DenseBias,
 // RaggedBias, T5Bias, DenseRowsBias or RaggedRowsBias (bias.cuh), ROWS = 8 or 16. Run-time: page size (block_shift),
-// ALiBi, bias dtype, split, longest first. The launch passes query_start_loc = tile_info = null (one query row per
-// sequence: cta_rows), q_limit 1 and causal 0.
+// ALiBi, soft-cap, sliding window, bias dtype, split, longest first. The launch passes query_start_loc = tile_info =
+// null (one query row per sequence: cta_rows), q_limit 1 and causal 0.
 // ---------------------------------------------------------------------------------------------------------------
-template <typename T, int HEAD, KvLayout LAYOUT, typename Bias, int ROWS>
-__global__ void __launch_bounds__(TileLayout<T, HEAD, ROWS>::THREADS, TileLayout<T, HEAD, ROWS>::kCtasPerSm)
+template <typename T, int HEAD, KvLayout LAYOUT, typename Bias, int ROWS, bool SCORES>
+__global__ void __launch_bounds__(TileLayout<T, HEAD, ROWS, false, SCORES>::THREADS,
+                                  TileLayout<T, HEAD, ROWS, false, SCORES>::kCtasPerSm)
 decode_mma(
     T* __restrict__ out, long long out_stride_t, long long out_stride_h,  // [num_seqs, num_heads, HEAD]
     float* __restrict__ part_acc,  // [num_parts, num_seqs, num_heads, HEAD], used when num_parts > 1
@@ -74,8 +75,9 @@ decode_mma(
     long long bias_stride_2, long long bias_stride_3, int bias_dtype, int bias_n, int bias_m,  // BiasArgs
     const float* __restrict__ alibi_slopes,  // [num_heads] or null
     float scale, int group_size, int causal, int tokens_per_part, int num_parts,
-    int longest_first) {  // nonzero: the CTAs of row r take the r-th longest sequence (seq_of_rank)
-  using L = TileLayout<T, HEAD, ROWS>;
+    int longest_first,  // nonzero: the CTAs of row r take the r-th longest sequence (seq_of_rank)
+    float soft_cap, int window_left) {  // the score options (SCORES): soft_cap 0 none, window_left kNoWindow none
+  using L = TileLayout<T, HEAD, ROWS, false, SCORES>;
   using Cache = PagedCache<T, HEAD, LAYOUT>;
   using Staged = StagedBias<L, Bias>;
   constexpr int TILE_N = L::TILE_N, KSTEPS = L::KSTEPS, NT_S = L::NT_S, NR = L::NR, NH = L::NH, EL = L::EL;
@@ -141,10 +143,11 @@ decode_mma(
   const Bias bias = Bias::make(BiasArgs{bias_ptr, bias_index, {bias_stride_0, bias_stride_1, bias_stride_2,
                                         bias_stride_3}, bias_dtype, bias_n, bias_m});
   const typename Bias::Seq seq_bias = bias.seq(c.s);
-  c.keys(cta, seq_bias.limit(clamped_len(seq_lens, c.s, max_len)), part, tokens_per_part, num_parts, balanced);
+  c.keys(cta, seq_bias.limit(clamped_len(seq_lens, c.s, max_len)), part, tokens_per_part, num_parts,
+         balanced, window_left);
   if (c.kstart != first_key) first_ids = nullptr;  // (the ids copied start at first_key)
   c.span(causal);
-  const TileRows<NR> rows = tile_rows(c, q_limit, causal, RelTable{}, alibi_slopes);
+  const TileRows<NR> rows = tile_rows(c, q_limit, causal, window_left, RelTable{}, alibi_slopes);
   const int far_after = bias_m > 0 ? bias_n : 0;
 
   const Cache cache{key_cache, value_cache, cache_block_stride, num_kv_heads, block_shift};
@@ -363,7 +366,7 @@ decode_mma(
       if (tile + AHEAD + 1 < c.num_tiles) pages.load_id(false, t0 + (AHEAD + 1) * TILE_N);
 
       if (t0 + c.key0 < rows.warp_end) {  // (uniform over the warp)
-        const bool need_mask = !(tile_ok && t0 + TILE_N <= rows.warp_min_end);
+        const bool need_mask = !(tile_ok && tile_unmasked<L>(rows, t0));
         BiasFrag<L, Bias> braw;
         if constexpr (Staged::enabled) {
           const unsigned short* stage = reinterpret_cast<const unsigned short*>(bias_stage + st * Staged::STAGE_VECS);
@@ -388,6 +391,7 @@ decode_mma(
         zero_fragments(sacc);
         qk_mma<L, T>(sacc, qa, q_s, kv_s, st, c.row_warp, c.key0, c.lane);
 
+        if (L::kScores && soft_cap > 0.0f) cap_logits<L>(sacc, SoftCap::make(soft_cap, scale2));  // raw products
         if constexpr (!Bias::enabled) {
           scale_logits<L>(sacc, scale2);
         } else if (const int far = far_kind<kT5, TILE_N>(c, t0, bias_n, far_after); far != 0) {
@@ -408,7 +412,7 @@ decode_mma(
           add_bias_bits<L>(sacc, scale2, bias, seq_bias, braw, rows, t0, c.key0, c.qc);
         }
         if (has_alibi) add_alibi<L>(sacc, rows, t0, c.key0, c.qc);
-        if (need_mask) mask_logits<L>(sacc, rows, pages, tile, t0, c.key0, c.qc);
+        if (need_mask) mask_logits<L>(sacc, rows, window_left, pages, tile, t0, c.key0, c.qc);
         float alpha[NR];
         const bool rescale = online_softmax<L>(sacc, m, l, alpha);
         // A tile that moves no row's reference (α = 1 exactly) leaves acc as it is. Oᵀ: row 8nh + 2qc + e's α is

@@ -2,6 +2,8 @@
 // block table.
 //
 //   x_h(j)   = scale·<q_h, k_j> + alibi_h·(j − len + 1) + bias(s, h, j)        for key positions j < len
+//              (j >= len − 1 − window_left with a sliding window; with a soft-cap c the first term is
+//              c·tanh(scale·<q_h, k_j> / c))
 //   out_h    = Σ_j softmax_j(x_h)·v_j                                          (float32 math, any storage dtype)
 // The kernels hold x·log2(e) and take powers of 2 (one MUFU.EX2 each), so m below is in those units.
 //
@@ -93,7 +95,7 @@ struct DecodeLayout {
 // constant in the unrolled stage loop), so no thread waits on a load before it needs the value. One barrier per
 // tile hands the stage over; the softmax needs none.
 // ---------------------------------------------------------------------------------------------------------------
-template <typename T, int HEAD, KvLayout LAYOUT, int HG, typename Bias, bool CLUSTER>
+template <typename T, int HEAD, KvLayout LAYOUT, int HG, typename Bias, bool CLUSTER, bool SCORES>
 __global__ void __launch_bounds__(kDecodeThreads, CLUSTER ? kClusterMinCtas : DecodeLayout<T, HEAD, HG>::kMinCtas)
 decode_simt(
     T* __restrict__ out, long long out_stride_s, long long out_stride_h,  // [num_seqs, num_heads, HEAD]
@@ -108,7 +110,8 @@ decode_simt(
     long long bias_stride_2, long long bias_stride_3, int bias_dtype, int bias_n, int bias_m,  // BiasArgs
     const float* __restrict__ alibi_slopes,  // [num_heads] or null
     float scale, int group_size, int tokens_per_part, int num_parts,
-    int longest_first) {  // nonzero: CTA rows take the sequences longest first (seq_of_rank; unsplit grids only)
+    int longest_first,  // nonzero: CTA rows take the sequences longest first (seq_of_rank; unsplit grids only)
+    float soft_cap, int window_left) {  // the score options (SCORES): soft_cap 0 none, window_left kNoWindow none
   using L = DecodeLayout<T, HEAD, HG>;
   using Cache = PagedCache<T, HEAD, LAYOUT>;
   constexpr int VEC = L::VEC, NVEC = L::NVEC, TX = L::TX, VPL = L::VPL, TZ = L::TZ, TILE = L::TILE;
@@ -140,11 +143,11 @@ decode_simt(
   const int ty = (tid / TX) % HG;
   const int tz = tid / (TX * HG);
 
-  const int start = part * tokens_per_part;
+  int start = part * tokens_per_part;
   // The keys whose block ids are fetched: the partition's, within the table (max_len), whatever seq_lens[s] says (an
   // id is used only for a key below end). The loads then need not wait for seq_lens[s], and fewer values stay live
   // across the loop: the bias specialisations stopped spilling.
-  const int fetch_end = min(start + tokens_per_part, max_len);
+  int fetch_end = min(start + tokens_per_part, max_len);
   const int block_mask = (1 << block_shift) - 1;
 
   // The sequence, and where the first tiles' block ids are read: the block table, or with longest_first and a
@@ -178,7 +181,20 @@ decode_simt(
   const typename Bias::Seq seq_bias = bias.seq(s);
   // Keys of this sequence: seq_lens[s] within the block table (and a dense bias), and within a ragged bias's rows.
   const int len = seq_bias.limit(clamped_len(seq_lens, s, max_len));
-  const int end = min(start + tokens_per_part, len);
+  int end = min(start + tokens_per_part, len);
+  // With a sliding window (the score options) the keys from lo = len − 1 − window_left on are keys: the partitions cut
+  // them from the tile holding lo (pages wholly before it are never read), and the last one takes every key left (the
+  // host sizes the partitions for the window's keys). The fetches then wait for seq_lens[s].
+  int lo = 0;
+  if (SCORES && window_left < kNoWindow) {
+    lo = len - 1 - window_left;
+    start += max(lo, 0) / TILE * TILE;
+    const int part_end = part == num_parts - 1 ? max_len : start + tokens_per_part;
+    fetch_end = min(part_end, max_len);
+    end = min(part_end, len);
+    first_ids = block_tables + s * block_table_stride;  // (the ids copied while ranking start before the window)
+    first_base = 0;
+  }
 
   // The sequence where the loop and the epilogue need it: s, but in the T5 kernels reread from shared memory when
   // ranked (as blockIdx is when not). Their one-head forms sit at the 64 registers of four CTAs per SM, and a
@@ -203,6 +219,7 @@ decode_simt(
       q[v][e] = head_used && c < NVEC ? scale2 * to_float(query[s * q_stride_s + h * q_stride_h + c * VEC + e]) : 0.0f;
     }
   const float slope = alibi_slopes != nullptr && head_used ? alibi_slopes[h] : 0.0f;
+  constexpr bool kExactCap = sizeof(T) == 4;
   typename Bias::Seq::Row bias_row;  // this thread's head's bias, set once the first copies are issued
 
   // ---- Prefetch rings, one slot per stage (a tile's slot is its index mod kStages).
@@ -213,7 +230,7 @@ decode_simt(
   auto v_s = [&](int st, int t, int c) -> uint4* { return &stage_s[((st * 2 + 1) * TILE + t) * NVEC + c]; };
   // A block id outside the cache is never dereferenced: the key is skipped (validate=True reports it).
   auto is_key = [&](int j, int blk) -> bool {
-    return j < end && static_cast<unsigned>(blk) < static_cast<unsigned>(num_blocks);
+    return j < end && (!SCORES || j >= lo) && static_cast<unsigned>(blk) < static_cast<unsigned>(num_blocks);
   };
   // Where this thread's copies go within a page: vector idx = tid + k·kDecodeThreads of a tile is token
   // idx / NVEC, vector c = idx % NVEC, at page_offset(0, kvh, c) + (token's offset in its page)·token_stride.
@@ -374,12 +391,24 @@ decode_simt(
             for (int e = 0; e < VEC; ++e) dot += q[v][e] * kf[e];
           }
         }
-        if (tx == k % TX) {
-          float extra = slope * static_cast<float>(t0 + t - len + 1);
-          if constexpr (Bias::enabled) extra += bias.value(bias_r[st][k / TX]);
-          dot = key_s[st * TILE + t] ? fmaf(extra, kLog2e, dot) : -inf();
+        if (SCORES && soft_cap > 0.0f) {  // the cap on the whole product (x = <scale·log2(e)·q, k>, base 2),
+                                          // then the owner lane's extra term, passed to its group
+          const float capped = SoftCap::make(soft_cap, 1.0f).apply<kExactCap>(group_sum<TX>(dot));
+          float own = capped;
+          if (tx == k % TX) {
+            float extra = slope * static_cast<float>(t0 + t - len + 1);
+            if constexpr (Bias::enabled) extra += bias.value(bias_r[st][k / TX]);
+            own = key_s[st * TILE + t] ? fmaf(extra, kLog2e, capped) : -inf();
+          }
+          x[k] = __shfl_sync(0xffffffffu, own, k % TX, TX);
+        } else {
+          if (tx == k % TX) {
+            float extra = slope * static_cast<float>(t0 + t - len + 1);
+            if constexpr (Bias::enabled) extra += bias.value(bias_r[st][k / TX]);
+            dot = key_s[st * TILE + t] ? fmaf(extra, kLog2e, dot) : -inf();
+          }
+          x[k] = group_sum<TX>(dot);
         }
-        x[k] = group_sum<TX>(dot);
       }
       // Tile t0's bias is in its logits: its ring slot takes the bias of the tile kStages ahead, a whole ring of
       // tiles before its turn (one tile more than the copies).

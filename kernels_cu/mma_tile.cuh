@@ -3,9 +3,11 @@
 //
 // Sequence s owns query rows query_start_loc[s] ... query_start_loc[s + 1] − 1 (q_len of them); they are the last
 // q_len of its len = seq_lens[s] keys, so query row i sits at absolute position p_i = len − q_len + i. For query
-// head h (KV head h / G) and key position j < len (j <= p_i when causal):
+// head h (KV head h / G) and key position j < len (j <= p_i when causal; j >= p_i − window with a sliding window,
+// window = kNoWindow when there is none):
 //
 //   x(i, h, j) = scale·<q_ih, k_j> + alibi_h·(j − p_i) + bias(s, h, i, p_i, j)
+//                (with a soft-cap c, the first term is c·tanh(scale·<q_ih, k_j> / c))
 //   out_ih     = Σ_j softmax_j(x)·v_j                                     (float32 softmax and accumulation)
 //
 // One CTA per (M tile, KV head, partition of the keys). The M dimension of the matrix products packs (query token,
@@ -118,8 +120,11 @@ __host__ __device__ constexpr int swizzled_row_vector(int row, int r, int c) {
   return r * row + ((c & ~7) | ((c ^ r) & 7));
 }
 
-template <typename T, int HEAD, int DECODE_ROWS, bool WG = false>
+template <typename T, int HEAD, int DECODE_ROWS, bool WG = false, bool SCORES = false>
 struct TileLayout {
+  // The score options (logit soft-cap, sliding window) compiled in: without them a kernel never reads soft_cap and
+  // window_left, and its code is that of a kernel without the options (they cost the head size 128 tilings spills).
+  static constexpr bool kScores = SCORES;
   static constexpr bool kDecode = DECODE_ROWS > 0;
   static constexpr int KEY_WARPS = kDecode ? kDecodeKeyWarps : 1;  // warps that split a tile's keys
   static constexpr bool kWgmma = WG;  // the Hopper tiling (prefill_wgmma.cu)
@@ -236,19 +241,24 @@ struct TileCta {
     qc = lane % 4;
   }
   // The keys of partition part of a sequence of len keys: tokens_per_part each, or with `balanced` the sequence's
-  // own length cut into num_parts runs of whole tiles (decode_mma.cu).
+  // own keys cut into num_parts runs of whole tiles (decode_mma.cu). With the score options the keys start at the
+  // tile holding the first key of the CTA's first row's window (position − window; 0 without a window): pages wholly
+  // before every row's window are never read. The last partition then takes every key left: the host sizes the
+  // partitions for a window's keys, so they need not cover max_len.
   __device__ __forceinline__ void keys(const CtaRows& cta, int len_, int part, int tokens_per_part, int num_parts,
-                                       bool balanced) {
+                                       bool balanced, int window) {
     q0 = cta.q0;
     q_len = cta.q_len;
     len = len_;
     pos0 = len - q_len;  // absolute position of query row 0
     rows_total = q_len * G;
     constexpr int TILE_N = L::TILE_N;
-    const int part_keys = balanced ? max(TILE_N, ((len + num_parts - 1) / num_parts + TILE_N - 1) / TILE_N * TILE_N)
+    const int first = L::kScores ? max(0, pos0 + m0 / G - window) / TILE_N * TILE_N : 0;
+    const int keys_ = len - first;
+    const int part_keys = balanced ? max(TILE_N, ((keys_ + num_parts - 1) / num_parts + TILE_N - 1) / TILE_N * TILE_N)
                                    : tokens_per_part;
-    kstart = part * part_keys;
-    kend = min(kstart + part_keys, len);
+    kstart = first + part * part_keys;
+    kend = min(L::kScores && part == num_parts - 1 ? len : kstart + part_keys, len);
   }
   // The position span of the CTA's rows, for the causal key range (and T5's table).
   __device__ __forceinline__ void span(int causal) {
@@ -287,21 +297,31 @@ __device__ __forceinline__ RelTable rel_table(const TileCta<L>& c, int bias_n) {
 }
 
 // This thread's fragment rows: per row, its query token i, head h, position p, key range end, T5 table offset (rel_s
-// entry of relative position −p), whether it is written, and its ALiBi slope (base 2); over the warp, the least end
-// of a written row (tiles below it need no mask) and the greatest (keys from it on are keys of no row: skipped).
+// entry of relative position −p), whether it is written, and its ALiBi slope (base 2); over the warp, the greatest
+// first key of a written row's window and the least end (tiles between them need no mask), and the greatest end
+// (keys from it on are keys of no row: skipped). A row's window starts at p − window, computed where it is used
+// (mask_logits): a register per row would cost the head size 128 tilings spills.
 template <int NR>
 struct TileRows {
   int i[NR], h[NR], p[NR], end[NR], off[NR];
   bool written[NR];
   float slope2[NR];
-  int warp_min_end, warp_end;
+  int warp_min_end, warp_max_begin, warp_end;
 };
 
+// Every key of the tile t0 ... t0 + TILE_N − 1 is in the range of every row of the warp (the window's first key is
+// looked at only with the score options).
 template <typename L>
-__device__ __forceinline__ TileRows<L::NR> tile_rows(const TileCta<L>& c, int q_limit, int causal, RelTable rel,
-                                                     const float* __restrict__ alibi_slopes) {
+__device__ __forceinline__ bool tile_unmasked(const TileRows<L::NR>& rows, int t0) {
+  return t0 + L::TILE_N <= rows.warp_min_end && (!L::kScores || t0 >= rows.warp_max_begin);
+}
+
+template <typename L>
+__device__ __forceinline__ TileRows<L::NR> tile_rows(const TileCta<L>& c, int q_limit, int causal, int window,
+                                                     RelTable rel, const float* __restrict__ alibi_slopes) {
   TileRows<L::NR> r;
   r.warp_min_end = 1 << 30;
+  r.warp_max_begin = -(1 << 30);
   r.warp_end = c.kstart;
 #pragma unroll
   for (int hf = 0; hf < L::NR; ++hf) {
@@ -318,12 +338,16 @@ __device__ __forceinline__ TileRows<L::NR> tile_rows(const TileCta<L>& c, int q_
     r.slope2[hf] = alibi_slopes != nullptr && r.written[hf] ? alibi_slopes[r.h[hf]] * kLog2e : 0.0f;
     if (r.written[hf]) {
       r.warp_min_end = min(r.warp_min_end, r.end[hf]);
+      if constexpr (L::kScores) r.warp_max_begin = max(r.warp_max_begin, r.p[hf] - window);
       r.warp_end = max(r.warp_end, r.end[hf]);
     }
   }
 #pragma unroll
   for (int o = 1; o < kWarpSize; o *= 2) {
     r.warp_min_end = min(r.warp_min_end, __shfl_xor_sync(0xffffffffu, r.warp_min_end, o));
+    if constexpr (L::kScores) {
+      r.warp_max_begin = max(r.warp_max_begin, __shfl_xor_sync(0xffffffffu, r.warp_max_begin, o));
+    }
     r.warp_end = max(r.warp_end, __shfl_xor_sync(0xffffffffu, r.warp_end, o));
   }
   return r;
@@ -629,6 +653,17 @@ __device__ __forceinline__ void qk_mma(float (&sacc)[L::MT][L::NT_S][4],
 template <typename L>
 using SFrag = float[L::MT][L::NT_S][4];
 
+// The soft-cap on the raw products (SoftCap made with mult = scale2, so the scaling after it stays).
+template <typename L>
+__device__ __forceinline__ void cap_logits(SFrag<L>& sacc, const SoftCap& cap) {
+#pragma unroll
+  for (int mt = 0; mt < L::MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < L::NT_S; ++nt)
+#pragma unroll
+      for (int e = 0; e < L::EL; ++e) sacc[mt][nt][e] = cap.apply<false>(sacc[mt][nt][e]);
+}
+
 template <typename L>
 __device__ __forceinline__ void scale_logits(SFrag<L>& sacc, float scale2) {
 #pragma unroll
@@ -701,10 +736,10 @@ __device__ __forceinline__ void add_alibi(SFrag<L>& sacc, const TileRows<L::NR>&
       }
 }
 
-// −inf for keys past a row's end and keys whose page lies outside the cache.
+// −inf for keys outside a row's [p − window, end) and keys whose page lies outside the cache.
 template <typename L, typename Pages>
-__device__ __forceinline__ void mask_logits(SFrag<L>& sacc, const TileRows<L::NR>& rows, const Pages& pages,
-                                            int tile, int t0, int key0, int qc) {
+__device__ __forceinline__ void mask_logits(SFrag<L>& sacc, const TileRows<L::NR>& rows, int window,
+                                            const Pages& pages, int tile, int t0, int key0, int qc) {
 #pragma unroll
   for (int mt = 0; mt < L::MT; ++mt)
 #pragma unroll
@@ -712,7 +747,10 @@ __device__ __forceinline__ void mask_logits(SFrag<L>& sacc, const TileRows<L::NR
 #pragma unroll
       for (int e = 0; e < L::EL; ++e) {
         const int kl = key0 + nt * 8 + 2 * qc + (e & 1);
-        if (t0 + kl >= rows.end[2 * mt + e / 2] || pages.missing(tile, kl)) sacc[mt][nt][e] = -inf();
+        const int hf = 2 * mt + e / 2;
+        if (t0 + kl >= rows.end[hf] || (L::kScores && t0 + kl < rows.p[hf] - window) || pages.missing(tile, kl)) {
+          sacc[mt][nt][e] = -inf();
+        }
       }
 }
 

@@ -19,10 +19,11 @@ constexpr int kSimtRowsPerCta = 64;  // packed (token, head) rows of a SIMT (flo
 
 // ---------------------------------------------------------------------------------------------------------------
 // The mma.sync tiling. Template parameters: T (__half / __nv_bfloat16), HEAD, cache LAYOUT, Bias = NoBias, DenseBias
-// or T5Bias (bias.cuh). Run-time: page size (block_shift), causal, ALiBi, bias dtype, split.
+// or T5Bias (bias.cuh). Run-time: page size (block_shift), causal, sliding window, soft-cap, ALiBi, bias dtype, split.
 // ---------------------------------------------------------------------------------------------------------------
-template <typename T, int HEAD, KvLayout LAYOUT, typename Bias>
-__global__ void __launch_bounds__(TileLayout<T, HEAD, 0>::THREADS, TileLayout<T, HEAD, 0>::kCtasPerSm) prefill_mma(
+template <typename T, int HEAD, KvLayout LAYOUT, typename Bias, bool SCORES>
+__global__ void __launch_bounds__(TileLayout<T, HEAD, 0, false, SCORES>::THREADS,
+                                  TileLayout<T, HEAD, 0, false, SCORES>::kCtasPerSm) prefill_mma(
     T* __restrict__ out, long long out_stride_t, long long out_stride_h,  // [total_q, num_heads, HEAD]
     float* __restrict__ part_acc,  // [num_parts, total_q, num_heads, HEAD], used when num_parts > 1
     float* __restrict__ part_ml,   // [num_parts, total_q, num_heads, 2] = (m, l) in base 2
@@ -36,8 +37,9 @@ __global__ void __launch_bounds__(TileLayout<T, HEAD, 0>::THREADS, TileLayout<T,
     const void* bias_ptr, const int* bias_index, long long bias_stride_0, long long bias_stride_1,
     long long bias_stride_2, long long bias_stride_3, int bias_dtype, int bias_n, int bias_m,  // BiasArgs
     const float* __restrict__ alibi_slopes,  // [num_heads] or null
-    float scale, int group_size, int causal, int tokens_per_part, int num_parts) {
-  using L = TileLayout<T, HEAD, 0>;
+    float scale, int group_size, int causal, int tokens_per_part, int num_parts,
+    float soft_cap, int window_left) {  // the score options (SCORES): soft_cap 0 none, window_left kNoWindow none
+  using L = TileLayout<T, HEAD, 0, false, SCORES>;
   using Cache = PagedCache<T, HEAD, LAYOUT>;
   constexpr int TILE_N = L::TILE_N, MT = L::MT, NR = L::NR, ROWS = L::ROWS, AHEAD = L::AHEAD;
   constexpr int REL_TABLE = L::REL_TABLE;
@@ -59,11 +61,12 @@ __global__ void __launch_bounds__(TileLayout<T, HEAD, 0>::THREADS, TileLayout<T,
   const Bias bias = Bias::make(BiasArgs{bias_ptr, bias_index, {bias_stride_0, bias_stride_1, bias_stride_2,
                                         bias_stride_3}, bias_dtype, bias_n, bias_m});
   const typename Bias::Seq seq_bias = bias.seq(c.s);
-  c.keys(cta, seq_bias.limit(clamped_len(seq_lens, c.s, max_len)), part, tokens_per_part, num_parts, false);
+  c.keys(cta, seq_bias.limit(clamped_len(seq_lens, c.s, max_len)), part, tokens_per_part, num_parts,
+         false, window_left);
   c.span(causal);
 
   const RelTable rel = rel_table<kT5>(c, bias_n);  // T5 through one table for the whole CTA, where it fits
-  const TileRows<NR> rows = tile_rows(c, q_limit, causal, rel, alibi_slopes);
+  const TileRows<NR> rows = tile_rows(c, q_limit, causal, window_left, rel, alibi_slopes);
   const int far_after = bias_m > 0 ? bias_n : 0;
   fill_far<kT5>(c, rows, bias, seq_bias, far_s, bias_n, far_after);
 
@@ -114,12 +117,13 @@ __global__ void __launch_bounds__(TileLayout<T, HEAD, 0>::THREADS, TileLayout<T,
 
     if (t0 + c.key0 < rows.warp_end) {  // (uniform over the warp: under a causal mask the last tiles of the CTA's
                                         // diagonal hold no key of its first warps)
-      const bool need_mask = !(tile_ok && t0 + TILE_N <= rows.warp_min_end);
+      const bool need_mask = !(tile_ok && tile_unmasked<L>(rows, t0));
       BiasFrag<L, Bias> braw;
       if constexpr (kBiasLoads) load_bias_fragment<L, Bias>(braw, bias_rows, rows, t0, c.key0, c.qc, c.kstart);
       float sacc[MT][L::NT_S][4];
       zero_fragments(sacc);
       qk_mma<L, T>(sacc, qa, q_s, kv_s, st, c.row_warp, c.key0, c.lane);
+      if (L::kScores && soft_cap > 0.0f) cap_logits<L>(sacc, SoftCap::make(soft_cap, scale2));  // raw products
       if constexpr (!Bias::enabled) {
         scale_logits<L>(sacc, scale2);
       } else if (const int far = far_kind<kT5, TILE_N>(c, t0, bias_n, far_after); far != 0) {
@@ -130,7 +134,7 @@ __global__ void __launch_bounds__(TileLayout<T, HEAD, 0>::THREADS, TileLayout<T,
         add_bias_bits<L>(sacc, scale2, bias, seq_bias, braw, rows, t0, c.key0, c.qc);
       }
       if (has_alibi) add_alibi<L>(sacc, rows, t0, c.key0, c.qc);
-      if (need_mask) mask_logits<L>(sacc, rows, pages, tile, t0, c.key0, c.qc);
+      if (need_mask) mask_logits<L>(sacc, rows, window_left, pages, tile, t0, c.key0, c.qc);
       float alpha[NR];
       const bool rescale = online_softmax<L>(sacc, m, l, alpha);
       // A tile that moves no row's reference (α = 1 exactly) leaves acc as it is: one vote replaces the MT·NT_O·4
@@ -154,7 +158,7 @@ __global__ void __launch_bounds__(TileLayout<T, HEAD, 0>::THREADS, TileLayout<T,
 // warp takes packed rows warp, warp + 4, ...; per row, keys 32 at a time (lane = key) for the logits, then lanes
 // over head_size for P·V. Reads K/V straight from the cache (L1/L2), once per row: a correctness path.
 // ---------------------------------------------------------------------------------------------------------------
-template <typename T, int HEAD, KvLayout LAYOUT, typename Bias>
+template <typename T, int HEAD, KvLayout LAYOUT, typename Bias, bool SCORES>
 __global__ void __launch_bounds__(kSimtThreads) prefill_simt(
     T* __restrict__ out, long long out_stride_t, long long out_stride_h,
     float* __restrict__ part_acc, float* __restrict__ part_ml,
@@ -167,7 +171,8 @@ __global__ void __launch_bounds__(kSimtThreads) prefill_simt(
     const void* bias_ptr, const int* bias_index, long long bias_stride_0, long long bias_stride_1,
     long long bias_stride_2, long long bias_stride_3, int bias_dtype, int bias_n, int bias_m,
     const float* __restrict__ alibi_slopes,
-    float scale, int group_size, int causal, int tokens_per_part, int num_parts) {
+    float scale, int group_size, int causal, int tokens_per_part, int num_parts,
+    float soft_cap, int window_left) {  // the score options (SCORES): soft_cap 0 none, window_left kNoWindow none
   using Cache = PagedCache<T, HEAD, LAYOUT>;
   constexpr int DPL = (HEAD + kWarpSize - 1) / kWarpSize;  // head_size elements per lane
   constexpr int VEC = Cache::VEC;
@@ -188,8 +193,10 @@ __global__ void __launch_bounds__(kSimtThreads) prefill_simt(
   const int q0 = cta.q0, q_len = cta.q_len;
   const int len = seq_bias.limit(clamped_len(seq_lens, s, max_len));
   const int pos0 = len - q_len;
-  const int kstart = part * tokens_per_part;
-  const int kend = min(kstart + tokens_per_part, len);
+  // With a sliding window, the keys from the first key of the CTA's first row on (as TileCta::keys).
+  const int first = SCORES ? max(0, pos0 + m0 / G - window_left) : 0;
+  const int kstart = first + part * tokens_per_part;
+  const int kend = min(SCORES && part == num_parts - 1 ? len : kstart + tokens_per_part, len);
   const Cache cache{key_cache, value_cache, cache_block_stride, num_kv_heads, block_shift};
   const int* table = block_tables + s * block_table_stride;
   const int block_mask = (1 << block_shift) - 1;
@@ -201,6 +208,7 @@ __global__ void __launch_bounds__(kSimtThreads) prefill_simt(
     const int h = kvh * G + R % G;
     const int p = pos0 + i;
     const int row_end = i >= q_limit ? kstart : causal ? min(kend, p + 1) : kend;
+    const int row_begin = SCORES ? max(kstart, p - window_left) : kstart;
     const float slope = alibi_slopes != nullptr ? alibi_slopes[h] : 0.0f;
     const T* qp = query + static_cast<long long>(q0 + i) * q_stride_t + static_cast<long long>(h) * q_stride_h;
     float q[DPL];
@@ -214,7 +222,7 @@ __global__ void __launch_bounds__(kSimtThreads) prefill_simt(
     float acc[DPL];
 #pragma unroll
     for (int k = 0; k < DPL; ++k) acc[k] = 0.0f;
-    for (int j0 = kstart; j0 < row_end; j0 += kWarpSize) {
+    for (int j0 = row_begin; j0 < row_end; j0 += kWarpSize) {
       // Logit of key j0 + lane, its dot product computed by the whole warp for each key in turn.
       float my_x = -inf();
       long long my_blk = -1;
@@ -230,6 +238,7 @@ __global__ void __launch_bounds__(kSimtThreads) prefill_simt(
           if (d < HEAD) dot += q[k] * to_float(cache.key_vec(blk, off, kvh, d / VEC)[d % VEC]);
         }
         dot = group_sum<kWarpSize>(dot);
+        if (SCORES && soft_cap > 0.0f) dot = soft_cap * tanhf(dot / soft_cap);  // natural units here
         if (lane == t) {
           my_blk = blk;
           my_x = dot + slope * static_cast<float>(j - p);

@@ -14,8 +14,9 @@
 
 namespace cpa {
 
-template <typename T, int HEAD, KvLayout LAYOUT, typename Bias>
-__global__ void __launch_bounds__(TileLayout<T, HEAD, 0, true>::THREADS, TileLayout<T, HEAD, 0, true>::kCtasPerSm)
+template <typename T, int HEAD, KvLayout LAYOUT, typename Bias, bool SCORES>
+__global__ void __launch_bounds__(TileLayout<T, HEAD, 0, true, SCORES>::THREADS,
+                                  TileLayout<T, HEAD, 0, true, SCORES>::kCtasPerSm)
 prefill_wgmma(
     T* __restrict__ out, long long out_stride_t, long long out_stride_h,  // [total_q, num_heads, HEAD]
     float* __restrict__ part_acc,  // [num_parts, total_q, num_heads, HEAD], used when num_parts > 1
@@ -30,8 +31,9 @@ prefill_wgmma(
     const void* bias_ptr, const int* bias_index, long long bias_stride_0, long long bias_stride_1,
     long long bias_stride_2, long long bias_stride_3, int bias_dtype, int bias_n, int bias_m,  // BiasArgs
     const float* __restrict__ alibi_slopes,  // [num_heads] or null
-    float scale, int group_size, int causal, int tokens_per_part, int num_parts) {
-  using L = TileLayout<T, HEAD, 0, true>;
+    float scale, int group_size, int causal, int tokens_per_part, int num_parts,
+    float soft_cap, int window_left) {  // the score options (SCORES): soft_cap 0 none, window_left kNoWindow none
+  using L = TileLayout<T, HEAD, 0, true, SCORES>;
   using Cache = PagedCache<T, HEAD, LAYOUT>;
 #if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(sizeof(T) == 0, "the Hopper tiling (wgmma) compiles for sm_90a only");
@@ -57,14 +59,15 @@ prefill_wgmma(
   const Bias bias = Bias::make(BiasArgs{bias_ptr, bias_index, {bias_stride_0, bias_stride_1, bias_stride_2,
                                         bias_stride_3}, bias_dtype, bias_n, bias_m});
   const typename Bias::Seq seq_bias = bias.seq(c.s);
-  c.keys(cta, seq_bias.limit(clamped_len(seq_lens, c.s, max_len)), part, tokens_per_part, num_parts, false);
+  c.keys(cta, seq_bias.limit(clamped_len(seq_lens, c.s, max_len)), part, tokens_per_part, num_parts,
+         false, window_left);
   c.span(causal);
 
   // T5's table (RelTable): this tiling has no per-logit path (its registers would cost head size 128's budget some
   // 200 bytes of spills), so the host sends it only problems whose table fits (planning.py, t5_table_fits).
   const RelTable rel = rel_table<kT5>(c, bias_n);
   if (kT5 && !rel.used) __trap();  // (unreachable)
-  const TileRows<NR> rows = tile_rows(c, q_limit, causal, rel, alibi_slopes);
+  const TileRows<NR> rows = tile_rows(c, q_limit, causal, window_left, rel, alibi_slopes);
   const int far_after = bias_m > 0 ? bias_n : 0;
   fill_far<kT5>(c, rows, bias, seq_bias, far_s, bias_n, far_after);
 
@@ -140,7 +143,7 @@ prefill_wgmma(
 
     // Every warpgroup computes every tile (its wgmmas are collective, and ptxas serialises them when it cannot prove
     // a branch around them uniform); keys past a row's end are masked.
-    const bool need_mask = !(tile_ok && t0 + TILE_N <= rows.warp_min_end);
+    const bool need_mask = !(tile_ok && tile_unmasked<L>(rows, t0));
     // ---- S = Q·Kᵀ: the warpgroup's 64 rows x TILE_N keys, KSTEPS wgmmas from shared memory (Q and K K-major).
     float sacc[1][L::NT_S][4];
     zero_fragments(sacc);
@@ -162,6 +165,7 @@ prefill_wgmma(
     wgmma_wait<1>();             // S only: groups complete in order
     wgmma_pin(sacc[0]);
 
+    if (L::kScores && soft_cap > 0.0f) cap_logits<L>(sacc, SoftCap::make(soft_cap, scale2));  // raw products
     if constexpr (!Bias::enabled) {
       scale_logits<L>(sacc, scale2);
     } else if (const int far = far_kind<kT5, TILE_N>(c, t0, bias_n, far_after); far != 0) {
@@ -170,7 +174,7 @@ prefill_wgmma(
       add_rel_table<L>(sacc, scale2, rel_s, rows, t0, c.key0, c.qc);
     }
     if (has_alibi) add_alibi<L>(sacc, rows, t0, c.key0, c.qc);
-    if (need_mask) mask_logits<L>(sacc, rows, pages, tile, t0, c.key0, c.qc);
+    if (need_mask) mask_logits<L>(sacc, rows, window_left, pages, tile, t0, c.key0, c.qc);
     float alpha[NR];
     const bool rescale = online_softmax<L>(sacc, m, l, alpha);
     // A tile that moves no row's reference (α = 1 exactly) leaves acc as it is; done with the tile's P·V.

@@ -100,6 +100,27 @@ def test_prefill_under_jit(rng, device, bias):
     assert_close(to_numpy(out), paged_prefill_attention_ref(*p.args(), **p.kwargs()), dtype, bias)
 
 
+@pytest.mark.parametrize(("bias", "options"), [("t5-bidir", {"logits_soft_cap": 5.0, "window_left": 20}),
+                                               ("dense", {"window_left": 0}), ("ragged", {"logits_soft_cap": 2.5})])
+def test_score_options_under_jit(rng, device, bias, options):
+    """Soft-cap and sliding window are static options of the decode and the prefill."""
+    dtype = "bf16" if device.platform == "gpu" else "f32"
+    p = make_problem(rng, [300, 1, 77, 1200], num_heads=8, num_kv_heads=2, head_size=64, dtype=dtype, bias=bias,
+                     bias_dtype="f32", alibi=True)
+    args, kwargs = decode_args(p, device)
+    out = jax.jit(functools.partial(cpj.paged_attention, **kwargs, **options))(*args)
+    assert_close(to_numpy(out), paged_attention_ref(*p.args(), **p.kwargs(), **options), dtype, bias)
+    if bias == "ragged":  # (a decode bias)
+        return
+    pp = make_prefill_problem(rng, PREFILL_SEQS, num_heads=8, num_kv_heads=2, head_size=128, dtype=dtype,
+                              bias=bias, alibi=True)
+    kw = dict(pp.kwargs())
+    kw["attn_bias"] = convert_bias(kw["attn_bias"], functools.partial(put, device))
+    kw["alibi_slopes"] = put(device, pp.alibi_slopes)
+    out = jax.jit(functools.partial(cpj.paged_prefill_attention, **kw, **options))(*(put(device, a) for a in pp.args()))
+    assert_close(to_numpy(out), paged_prefill_attention_ref(*pp.args(), **pp.kwargs(), **options), dtype, bias)
+
+
 @pytest.mark.parametrize("donate", [False, True])
 def test_cache_write_then_decode_under_jit(rng, device, donate):
     """reshape_and_cache is functional (new caches; the old ones intact unless donated) and feeds the decode."""

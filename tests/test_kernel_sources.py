@@ -28,6 +28,13 @@ REPRESENTATIVES = {
                     _specs.CacheWriteSpec("bf16", "hnd", "i64")],
     "decode_mma_hnd": [_specs.DecodeMmaSpec("f16", 64, "hnd", "t5", 8)],
     "prefill_wgmma_hnd": [_specs.PrefillSpec("f16", 64, "hnd", "none", wgmma=True)],
+    # the score options (soft-cap, sliding window), in each attention kernel
+    "decode_simt_scores": [_specs.DecodeSimtSpec("f32", 64, "nhd", 2, "dense", scores=True),
+                           _specs.DecodeSimtSpec("bf16", 128, "hnd", 1, "t5", cluster=True, scores=True)],
+    "decode_mma_scores": [_specs.DecodeMmaSpec("bf16", 128, "nhd", "t5", 8, scores=True)],
+    "prefill_mma_scores": [_specs.PrefillSpec("f16", 64, "vllm", "dense", scores=True),
+                           _specs.PrefillSpec("f32", 128, "nhd", "none", scores=True)],
+    "prefill_wgmma_scores": [_specs.PrefillSpec("bf16", 128, "nhd", "t5", wgmma=True, scores=True)],
 }
 
 
@@ -51,15 +58,17 @@ def test_each_kernel_family_compiles(family, arch):
 
 
 def _sweep_groups() -> list[tuple[str, str, list]]:
-    """Every specialisation, grouped into programs of one source, dtype, layout and target architecture."""
-    groups: dict[tuple[str, str, str, str, str], list] = {}
+    """Every specialisation, grouped into programs of one source, dtype, layout, target architecture and score
+    options."""
+    groups: dict[tuple[str, str, str, str, bool, str], list] = {}
     for spec in _specs.all_specs():
         for arch in ARCHS:
             target = spec.offline_arch(arch)
             if target is not None:
-                groups.setdefault((spec.source, spec.dtype, spec.layout, target, arch), []).append(spec)
-    return [(f"{src}-{dt}-{lay}-{target}", arch, specs)
-            for (src, dt, lay, target, arch), specs in sorted(groups.items())]
+                scores = getattr(spec, "scores", False)
+                groups.setdefault((spec.source, spec.dtype, spec.layout, target, scores, arch), []).append(spec)
+    return [(f"{src}-{dt}-{lay}-{target}{'-scores' if scores else ''}", arch, specs)
+            for (src, dt, lay, target, scores, arch), specs in sorted(groups.items())]
 
 
 @pytest.mark.sweep
@@ -69,7 +78,7 @@ def test_every_specialisation_compiles(group, arch, specs):
 
 
 def test_the_sweep_covers_every_specialisation_once():
-    """The library launches 3,375 specialisations; the sweep compiles each on every architecture it is built for
+    """The library launches 6,732 specialisations; the sweep compiles each on every architecture it is built for
     (clusters need sm_90, the Hopper tiling sm_90a, and the rest builds for both sm_80 and sm_90)."""
     specs = _specs.all_specs()
     assert len(specs) == len(set(specs)) == len({s.key for s in specs})
@@ -78,8 +87,10 @@ def test_the_sweep_covers_every_specialisation_once():
     assert len(swept) == len(set(swept)) == sum(s.offline_arch(a) is not None for s in specs for a in ARCHS)
     counts = {kind: sum(isinstance(s, kind) for s in specs) for kind in (_specs.DecodeSimtSpec, _specs.DecodeMmaSpec,
                                                                           _specs.PrefillSpec, _specs.CacheWriteSpec)}
-    assert counts == {_specs.DecodeSimtSpec: 2 * 3 * 9 * 3 * 4 * 4, _specs.DecodeMmaSpec: 2 * (2 * 7 * 3 * 6 - 3),
-                      _specs.PrefillSpec: 3 * 9 * 3 * 3 + 2 * 2 * 3 * 2, _specs.CacheWriteSpec: 18}
+    # (each attention kernel with and without the score options)
+    assert counts == {_specs.DecodeSimtSpec: 2 * 2 * 3 * 9 * 3 * 4 * 4,
+                      _specs.DecodeMmaSpec: 2 * 2 * (2 * 7 * 3 * 6 - 3),
+                      _specs.PrefillSpec: 2 * (3 * 9 * 3 * 3 + 2 * 2 * 3 * 2), _specs.CacheWriteSpec: 18}
 
 
 def test_sources_inline_their_headers_once():
@@ -94,22 +105,27 @@ def test_keys_and_name_expressions_are_readable():
     spec = _specs.DecodeSimtSpec("bf16", 128, "nhd", 4, "t5")
     assert spec.key == "decode_simt_bf16_d128_nhd_g4_bias-t5"
     assert spec.name_expressions() == (
-        "cpa::decode_simt<__nv_bfloat16, 128, cpa::KvLayout::kNHD, 4, cpa::T5Bias, false>",
+        "cpa::decode_simt<__nv_bfloat16, 128, cpa::KvLayout::kNHD, 4, cpa::T5Bias, false, false>",
         "cpa::decode_simt_combine<__nv_bfloat16, 128>")
     assert _specs.DecodeSimtSpec("f16", 64, "vllm", 1, "dense", cluster=True).key == \
         "decode_simt_f16_d64_vllm_g1_bias-dense_cluster"
     mma = _specs.DecodeMmaSpec("f16", 64, "vllm", "ragged-rows", 16)
     assert mma.key == "decode_mma_f16_d64_vllm_r16_bias-ragged-rows"
-    assert mma.name_expressions() == ("cpa::decode_mma<__half, 64, cpa::KvLayout::kVLLM, cpa::RaggedRowsBias, 16>",
-                                      "cpa::tile_combine<__half, 64, 16>")
+    assert mma.name_expressions() == (
+        "cpa::decode_mma<__half, 64, cpa::KvLayout::kVLLM, cpa::RaggedRowsBias, 16, false>",
+        "cpa::tile_combine<__half, 64, 16>")
     prefill = _specs.PrefillSpec("bf16", 256, "nhd", "dense")
     assert prefill.key == "prefill_mma_bf16_d256_nhd_bias-dense"
     assert prefill.name_expressions() == (
-        "cpa::prefill_mma<__nv_bfloat16, 256, cpa::KvLayout::kNHD, cpa::DenseBias>",
+        "cpa::prefill_mma<__nv_bfloat16, 256, cpa::KvLayout::kNHD, cpa::DenseBias, false>",
         "cpa::tile_combine<__nv_bfloat16, 256, 64>", "cpa::prefill_plan")
     assert _specs.PrefillSpec("f32", 64, "nhd", "none").key == "prefill_simt_f32_d64_nhd_bias-none"
     assert _specs.PrefillSpec("f16", 64, "nhd", "t5", wgmma=True).name_expressions()[0] == \
-        "cpa::prefill_wgmma<__half, 64, cpa::KvLayout::kNHD, cpa::T5Bias>"
+        "cpa::prefill_wgmma<__half, 64, cpa::KvLayout::kNHD, cpa::T5Bias, false>"
+    scored = _specs.DecodeMmaSpec("bf16", 64, "hnd", "none", 8, scores=True)
+    assert scored.key == "decode_mma_bf16_d64_hnd_r8_bias-none_scores"
+    assert scored.name_expressions()[0] == \
+        "cpa::decode_mma<__nv_bfloat16, 64, cpa::KvLayout::kHND, cpa::NoBias, 8, true>"
     assert _specs.CacheWriteSpec("f16", "vllm", "i64").key == "cache_write_f16_vllm_slot-i64"
 
 
@@ -148,7 +164,8 @@ def _tile_mirrors() -> list[str]:
                        f"static_assert({layout}::STAGES == {_specs.decode_stages(d, rows)}, \"stages d{d} {rows}\");"]
     checks += [f"static_assert(cpa::kRelTableMax == {_specs.REL_TABLE}, \"t5 table\");",
                f"static_assert(cpa::kCombineThreads == {_specs.COMBINE_THREADS}, \"combine\");",
-               f"static_assert(cpa::kCombineBatch == {_specs.COMBINE_BATCH}, \"combine batch\");"]
+               f"static_assert(cpa::kCombineBatch == {_specs.COMBINE_BATCH}, \"combine batch\");",
+               f"static_assert(cpa::kNoWindow == {_specs.NO_WINDOW}, \"no window\");"]
     checks += [f"static_assert(cpa::combine_groups({n}) == {_specs.combine_groups(n)}, \"groups {n}\");"
                for n in range(1, 80)]
     checks += [f"static_assert(cpa::combine_vec({n}) == {_specs.combine_vec(n)}, \"vec {n}\");" for n in range(1, 80)]

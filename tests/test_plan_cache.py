@@ -49,6 +49,20 @@ def test_key_holds_each_operands_signature_and_finds_its_plan(operands):
         assert decode._plan_key(operands, None, "nhd", operands["attn_bias"])[2] is None
 
 
+@pytest.mark.parametrize("options", [{"logits_soft_cap": 30.0}, {"window_left": 128}, {"window_left": True},
+                                     {"logits_soft_cap": 30, "window_left": 128}])
+def test_score_options_are_part_of_the_key(operands, options):
+    """A soft-cap or a window is in the key, with its type (``window_left=True`` is refused by the checks, so it
+    must not find the plan of ``window_left=1``)."""
+    key = decode._plan_key(operands, None, "nhd", operands["attn_bias"], options)[0]
+    cached = object()
+    decode._PLANS.plans = {key: cached}
+    assert decode._plan_key(operands, None, "nhd", operands["attn_bias"], dict(options))[2] is cached
+    assert decode._plan_key(operands, None, "nhd", operands["attn_bias"])[2] is None
+    other = {name: (value + 1 if not isinstance(value, bool) else 1) for name, value in options.items()}
+    assert decode._plan_key(operands, None, "nhd", operands["attn_bias"], other)[2] is None
+
+
 @pytest.mark.parametrize("scale", [np.array(0.125), [0.125]], ids=["ndarray", "list"])
 def test_unhashable_scale_is_left_to_the_checks(operands, scale):
     assert decode._plan_key(operands, scale, "nhd", operands["attn_bias"]) is None

@@ -369,3 +369,48 @@ def test_tuning_override_is_scoped_and_checked():
     with pytest.raises(TypeError, match="wgmma: expected a bool, got 1"):
         tuning.Tuning(wgmma=1)  # type: ignore[arg-type]
     assert tuning.current() == before
+
+
+@pytest.mark.parametrize(("num_seqs", "heads", "head_size", "max_len"),
+                         [(1, (32, 8), 128, 65536), (32, (32, 8), 128, 8192), (1, (16, 16), 64, 8192),
+                          (200, (8, 2), 64, 2048)])
+def test_window_splits_the_window_not_max_len(num_seqs, heads, head_size, max_len):
+    """With a sliding window the split cuts the window's keys (plus the tile the kernels' first one may start before
+    it), never max_len's, and the grid is not ranked longest first (the window, not the length, sizes the work)."""
+    window = 1024
+    launch = planning.plan_decode(decode_shape(num_seqs, heads, head_size, max_len, window_left=window), H200,
+                                  DEFAULT)
+    tile = _specs.tile_keys(head_size, launch.spec.rows) if launch.tensor_cores else _specs.DECODE_SIMT_TILE_MULTIPLE
+    assert launch.tokens_per_part * (launch.num_parts - 1) < window + tile
+    assert not launch.longest_first
+    plain = planning.plan_decode(decode_shape(num_seqs, heads, head_size, min(max_len, window + tile)), H200,
+                                 DEFAULT)
+    assert (launch.tokens_per_part, launch.num_parts) == (plain.tokens_per_part, plain.num_parts)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_prefill_window_split(causal):
+    """A causal prefill with a window splits the keys one CTA's rows can see; without causal every key from the
+    window's first on can be seen, so the split is max_len's."""
+    shape = planning.PrefillShape(num_seqs=1, num_heads=8, num_kv_heads=8, head_size=128, max_len=65536,
+                                  total_q=128, causal=causal, window_left=512)
+    launch = planning.plan_prefill(shape, H200, DEFAULT)
+    plain = planning.plan_prefill(dataclasses.replace(shape, window_left=None), H200, DEFAULT)
+    if causal:
+        assert launch.tokens_per_part * launch.num_parts < 2048 < plain.tokens_per_part * plain.num_parts
+    else:
+        assert (launch.tokens_per_part, launch.num_parts) == (plain.tokens_per_part, plain.num_parts)
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 96])
+def test_score_options_pick_their_kernels(head_size):
+    """A call with a soft-cap or a window runs the kernels compiled with the score options; one without, those
+    compiled without them (whose code is that of the kernels before the options)."""
+    for num_heads, kv_heads in [(32, 8), (16, 16)]:
+        base = decode_shape(64, (num_heads, kv_heads), head_size, 4096)
+        for fields, scored in [({}, False), ({"soft_cap": True}, True), ({"window_left": 4096}, True),
+                               ({"soft_cap": True, "window_left": 0}, True)]:
+            assert planning.plan_decode(dataclasses.replace(base, **fields), H200, DEFAULT).spec.scores is scored
+            prefill = planning.PrefillShape(**dataclasses.asdict(base), total_q=512, causal=True)
+            launch = planning.plan_prefill(dataclasses.replace(prefill, **fields), H200, DEFAULT)
+            assert launch.spec.scores is scored

@@ -1,7 +1,7 @@
 """CPU: the serving options on the NumPy path (the float64 reference) against independent dense attention —
-Gemma 2's logit soft-cap, the sliding window, the ``"hnd"`` cache layout and fp8 caches with their scales — their
-argument errors, and, on a GPU, the clear refusal of what the kernels do not have yet (the GPU tests of ``"hnd"``
-are in the decode, prefill and cache-write grids)."""
+Gemma 2's logit soft-cap, the sliding window, the ``"hnd"`` cache layout and fp8 caches with their scales — and their
+argument errors. The GPU kernels' soft-cap and window are tested in test_serving_options_gpu.py; ``"hnd"`` in the
+decode, prefill and cache-write grids."""
 
 from __future__ import annotations
 
@@ -269,27 +269,3 @@ def test_fp8_cache_write_errors(rng):
     with pytest.raises(ValueError, match=r"v_scale: only fp8 caches are scaled"):
         cpa.reshape_and_cache(key, key, *(np.zeros((4, 8, 2, 32), np.float32) for _ in range(2)), slots,
                               v_scale=2.0)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The GPU: a clear NotImplementedError until the kernels have the options
-# ---------------------------------------------------------------------------------------------------------------
-@pytest.mark.gpu
-def test_gpu_refuses_what_its_kernels_lack(rng):
-    """Each option the NumPy path computes and the kernels lack is refused by name on the GPU, also after a plan
-    of the same operands is cached (the repeated-call fast path must not run it without the option)."""
-    torch = pytest.importorskip("torch")
-    p = make_problem(rng, [5, 40], dtype="bf16", num_heads=4, num_kv_heads=2)
-    dev = [torch.from_numpy(a.view(np.int16) if a.dtype == ml_dtypes.bfloat16 else a).cuda() for a in p.args()]
-    dev[:3] = [t.view(torch.bfloat16) for t in dev[:3]]
-    cpa.paged_attention(*dev)  # caches this call's plan
-    for options, name in (({"logits_soft_cap": 30.0}, "logits_soft_cap"), ({"window_left": 4}, "window_left")):
-        with pytest.raises(NotImplementedError, match=rf"{name}: on the GPU; the NumPy path computes it"):
-            cpa.paged_attention(*dev, **options)
-        q = make_prefill_problem(rng, [(5, 2)], dtype="f16")
-        q_dev = [torch.from_numpy(a).cuda() for a in q.args()]
-        with pytest.raises(NotImplementedError, match=rf"{name}: on the GPU"):
-            cpa.paged_prefill_attention(*q_dev, **options)
-    fp8 = [dev[0], *(torch.zeros(c.shape, dtype=torch.float8_e4m3fn, device="cuda") for c in dev[1:3]), *dev[3:]]
-    with pytest.raises(NotImplementedError, match=r"key_cache: an fp8 cache \(fp8_e4m3\) on the GPU"):
-        cpa.paged_attention(*fp8, k_scale=0.5)

@@ -99,13 +99,13 @@ def _opcheck_cases(rng):
     yield "paged_attention", (*args, kw["attn_bias"], *tail)
     r = make_problem(rng, [5, 17, 0], num_heads=4, num_kv_heads=2, head_size=32, bias="ragged")
     args, kw = decode_inputs(r, "cpu")
-    yield "paged_attention_ragged", (*args, kw["attn_bias"].values, kw["attn_bias"].offsets, None, 0.5, "nhd")
+    yield "paged_attention_ragged", (*args, kw["attn_bias"].values, kw["attn_bias"].offsets, None, 0.5, "nhd", 30.0, 4)
     t = make_problem(rng, [5, 17, 0], num_heads=4, num_kv_heads=2, head_size=32, bias="t5-bidir")
     args, kw = decode_inputs(t, "cpu")
     yield "paged_attention_t5", (*args, *cpt._t5_args(kw["attn_bias"]), None, 1.0, "nhd")
     pp = make_prefill_problem(rng, PREFILL_SEQS, num_heads=4, num_kv_heads=2, head_size=32, bias="dense")
     args, kw = prefill_inputs(pp, "cpu")
-    yield "paged_prefill_attention", (*args, True, kw["attn_bias"], None, None, "nhd")
+    yield "paged_prefill_attention", (*args, True, kw["attn_bias"], None, None, "nhd", None, 8)
     pt = make_prefill_problem(rng, PREFILL_SEQS, num_heads=4, num_kv_heads=2, head_size=32, bias="t5-causal")
     args, kw = prefill_inputs(pt, "cpu")
     yield "paged_prefill_attention_t5", (*args, False, *cpt._t5_args(kw["attn_bias"]), None, 1.0, "nhd")
@@ -128,6 +128,22 @@ def test_cpu_operators_match_reference(rng, bias):
     out = cpt.paged_attention(*args, **kwargs)
     assert out.dtype == torch.bfloat16 and out.device.type == "cpu"
     assert_close(to_numpy(out), paged_attention_ref(*p.args(), **p.kwargs()), "bf16", bias)
+
+
+@pytest.mark.parametrize("bias", ["dense", "t5-bidir"])
+def test_cpu_operators_take_score_options(rng, bias):
+    """The soft-cap and the sliding window pass through the operators (compiled whole), decode and prefill."""
+    options = {"logits_soft_cap": 5.0, "window_left": 6}
+    p = make_problem(rng, SEQ_LENS, num_heads=8, num_kv_heads=2, dtype="bf16", bias=bias, alibi=True)
+    args, kwargs = decode_inputs(p, "cpu")
+    out = torch.compile(cpt.paged_attention, fullgraph=True, backend="aot_eager")(*args, **kwargs, **options)
+    assert_close(to_numpy(out), paged_attention_ref(*p.args(), **p.kwargs(), **options), "bf16", bias)
+    prefill_bias = "dense" if bias == "dense" else "t5-causal"
+    pp = make_prefill_problem(rng, PREFILL_SEQS, num_heads=4, num_kv_heads=2, head_size=32, bias=prefill_bias)
+    pargs, pkwargs = prefill_inputs(pp, "cpu")
+    out = cpt.paged_prefill_attention(*pargs, **pkwargs, **options)
+    expected = paged_prefill_attention_ref(*pp.args(), **pp.kwargs(), **options)
+    assert_close(to_numpy(out), expected, "f32", prefill_bias)
 
 
 def test_cpu_compiled_cache_write_then_decode(rng):
@@ -200,6 +216,33 @@ def test_compiled_decode_dense_bias(rng, mode):
     expected = paged_attention_ref(p.query * 2, *p.args()[1:], attn_bias=p.attn_bias * 0.5, scale=0.05) + 1
     for _ in range(3):  # reduce-overhead records a CUDA graph after warm-up runs: check the replays too
         assert_close(to_numpy(layer(*args, kwargs["attn_bias"])), expected, "bf16", mode)
+
+
+@gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_score_options(rng, mode):
+    """Soft-cap and sliding window on the GPU through compiled operators (and the CUDA graph of reduce-overhead),
+    decode with a T5 bias and prefill with a dense one."""
+    options = {"logits_soft_cap": 20.0, "window_left": 40}
+    p = make_problem(rng, [300, 1, 77, 1200], num_heads=8, num_kv_heads=2, head_size=64, dtype="bf16",
+                     bias="t5-bidir", alibi=True)
+    args, kwargs = decode_inputs(p, "cuda")
+    pp = make_prefill_problem(rng, PREFILL_SEQS, num_heads=8, num_kv_heads=2, head_size=128, dtype="bf16",
+                              bias="dense")
+    pargs, pkwargs = prefill_inputs(pp, "cuda")
+    prefill_kw = {k: v for k, v in pkwargs.items() if k != "attn_bias"}
+
+    @torch.compile(fullgraph=True, mode=mode)
+    def step(decode_args, prefill_args, dense):
+        out = cpt.paged_attention(*decode_args, **kwargs, **options)
+        return out, cpt.paged_prefill_attention(*prefill_args, attn_bias=dense, **prefill_kw, **options)
+
+    expected = paged_attention_ref(*p.args(), **p.kwargs(), **options)
+    expected_p = paged_prefill_attention_ref(*pp.args(), **pp.kwargs(), **options)
+    for _ in range(3):
+        out, out_p = step(args, pargs, pkwargs["attn_bias"])
+        assert_close(to_numpy(out), expected, "bf16", mode)
+        assert_close(to_numpy(out_p), expected_p, "bf16", mode)
 
 
 @gpu

@@ -54,6 +54,12 @@ CASES = [  # (name, make_problem keywords, split-K: False, True, "reduce" (not i
     # 8 CTAs where 2 SMs hold 6: a tail split taken longest first, sequence by sequence (decode_mma.cu).
     ("gqa4-bf16-d128-dense-rows-ranked-split", dict(seq_lens=[77, 0, 301, 300], num_heads=8, num_kv_heads=2,
                                                     head_size=128, dtype="bf16", bias="dense", bias_dtype="bf16"), 2),
+    # A sliding window and a soft-cap: partitions cut from the window's first tile on, pages before it unread.
+    ("window-cap-bf16-gqa4-dense-split", dict(seq_lens=[300, 5, 77], num_heads=8, num_kv_heads=2, head_size=128,
+                                              dtype="bf16", bias="dense", bias_dtype="bf16",
+                                              options={"window_left": 40, "logits_soft_cap": 5.0}), True),
+    ("window-f32-d64-cluster", dict(seq_lens=[1024, 3, 0], num_heads=4, num_kv_heads=4,
+                                    options={"window_left": 100, "logits_soft_cap": 2.0}), 132),
 ]
 
 
@@ -64,12 +70,15 @@ def switches(split: bool | str | int) -> dict:
 
 
 def run(name: str, kwargs: dict, split: bool | str | int, rng: np.random.Generator) -> None:
+    kwargs = dict(kwargs)
+    options = kwargs.pop("options", {})  # soft-cap and window
     p = make_problem(rng, **kwargs)
     args, kw = device_args(p, to_cupy)
     out = cupy.full(p.query.shape, np.nan, dtype=p.query.dtype)
     with tuning.override(**switches(split)):
-        cpa.paged_attention(*args, **kw, out=out)
-    assert_close(to_numpy(out), paged_attention_ref(*p.args(), **p.kwargs()), kwargs.get("dtype", "f32"), name)
+        cpa.paged_attention(*args, **kw, **options, out=out)
+    assert_close(to_numpy(out), paged_attention_ref(*p.args(), **p.kwargs(), **options), kwargs.get("dtype", "f32"),
+                 name)
     print(f"ok  {name}")
 
 
@@ -89,16 +98,26 @@ PREFILL_CASES = [  # (name, make_prefill_problem keywords, force split-K)
     # Several M tiles of 128 rows and key tiles near and far from them (T5's table), causal tiles skipped per warp.
     ("prefill-bf16-d128-t5-long", dict(seqs=[(450, 450), (700, 260)], num_heads=2, num_kv_heads=2, head_size=128,
                                        dtype="bf16", bias="t5-bidir", causal=True), False),
+    ("prefill-bf16-d128-window-cap-split", dict(seqs=[(450, 450), (700, 260)], num_heads=2, num_kv_heads=2,
+                                                head_size=128, dtype="bf16", causal=True,
+                                                options={"window_left": 70, "logits_soft_cap": 5.0}), True),
+    ("prefill-f16-d96-window-dense-bidir", dict(seqs=[(300, 33), (20, 20)], num_heads=4, num_kv_heads=2,
+                                                head_size=96, dtype="f16", bias="dense", causal=False,
+                                                options={"window_left": 9}), False),
+    ("prefill-f32-window-cap", dict(seqs=[(90, 40)], num_heads=2, num_kv_heads=1,
+                                    options={"window_left": 20, "logits_soft_cap": 2.0}), True),
 ]
 
 
 def run_prefill(name: str, kwargs: dict, split: bool, rng: np.random.Generator) -> None:
+    kwargs = dict(kwargs)
+    options = kwargs.pop("options", {})
     p = make_prefill_problem(rng, **kwargs)
     out = cupy.full(p.query.shape, np.nan, dtype=p.query.dtype)
     with tuning.override(**switches(split)):
-        cpa.paged_prefill_attention(*[to_cupy(a) for a in p.args()], **device_kwargs(p, to_cupy), out=out)
-    assert_close(to_numpy(out), paged_prefill_attention_ref(*p.args(), **p.kwargs()), kwargs.get("dtype", "f32"),
-                 name)
+        cpa.paged_prefill_attention(*[to_cupy(a) for a in p.args()], **device_kwargs(p, to_cupy), **options, out=out)
+    assert_close(to_numpy(out), paged_prefill_attention_ref(*p.args(), **p.kwargs(), **options),
+                 kwargs.get("dtype", "f32"), name)
     print(f"ok  {name}")
 
 
