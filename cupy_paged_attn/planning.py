@@ -114,6 +114,12 @@ class DecodeShape:
         return self.soft_cap or self.window_left is not None
 
     @property
+    def window(self) -> int | None:
+        """The sliding window where it masks a key: ``window_left`` below ``max_len`` (a wider one masks nothing,
+        and the kernels get none), else None."""
+        return self.window_left if self.window_left is not None and self.window_left < self.max_len else None
+
+    @property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
 
@@ -168,7 +174,7 @@ def window_keys(shape: DecodeShape, tile: int, span: int = 1) -> int:
     before the first of the CTA's ``span`` query positions, through the last) plus the ``tile - 1`` keys before it
     that the kernels' first tile starts with (they start on a multiple of ``tile``). Prefill without ``causal`` sees
     every key from the window's first on."""
-    w = shape.window_left
+    w = shape.window
     if w is None or (isinstance(shape, PrefillShape) and not shape.causal):
         return shape.max_len
     return min(shape.max_len, w + span + tile - 1)
@@ -323,7 +329,7 @@ def plan_decode(shape: DecodeShape, device: Device, tuning: _tuning.Tuning | Non
         combine_grid = (ctas, 1, _specs.combine_chunks(head_rows, p.head_size, parts))
         return DecodeLaunch(spec, (ctas, 1, parts), tokens_per_part, parts, spec.threads, spec.smem_bytes,
                             combine_grid, _specs.COMBINE_THREADS,
-                            p.window_left is None and longest_first(p.num_seqs, ctas * parts, resident * num_sms, t),
+                            p.window is None and longest_first(p.num_seqs, ctas * parts, resident * num_sms, t),
                             dependent and parts > 1)
     hg = heads_per_cta(p.group_size)
     chunks = -(-p.group_size // hg)
@@ -341,7 +347,7 @@ def plan_decode(shape: DecodeShape, device: Device, tuning: _tuning.Tuning | Non
     # partitions, 1.6 waves) ran 0.1-0.9 % slower. (The tensor-core decode's ranked split grids go sequence by
     # sequence instead; for that case's few long sequences a fluid model of the waves predicts it slower here.)
     # (Not with a sliding window: the kernel's ranking reads the first keys' block ids before it knows the window.)
-    ordered = (parts == 1 and p.window_left is None
+    ordered = (parts == 1 and p.window is None
                and longest_first(p.num_seqs, ctas, spec.max_ctas_per_sm * num_sms, t))
     return DecodeLaunch(spec, (ctas, 1, parts), tokens_per_part, parts, spec.threads, smem,
                         (p.num_seqs, p.num_heads, 1), _specs.DECODE_COMBINE_THREADS, ordered, dependent and parts > 1)

@@ -402,6 +402,18 @@ def test_prefill_window_split(causal):
         assert (launch.tokens_per_part, launch.num_parts) == (plain.tokens_per_part, plain.num_parts)
 
 
+def test_a_window_wider_than_max_len_changes_no_choice():
+    """window_left >= max_len masks nothing: the same split and ranking as none, on the options' kernels."""
+    base = decode_shape(64, (32, 8), 128, 8192)
+    ragged = dataclasses.replace(base, num_seqs=200)
+    for shape in (base, ragged, dataclasses.replace(base, head_size=256)):
+        plain = planning.plan_decode(shape, H200, DEFAULT)
+        wide = planning.plan_decode(dataclasses.replace(shape, window_left=shape.max_len), H200, DEFAULT)
+        assert (wide.grid, wide.tokens_per_part, wide.longest_first) == (plain.grid, plain.tokens_per_part,
+                                                                         plain.longest_first)
+        assert wide.spec == dataclasses.replace(plain.spec, scores=True)
+
+
 @pytest.mark.parametrize("head_size", [64, 128, 96])
 def test_score_options_pick_their_kernels(head_size):
     """A call with a soft-cap or a window runs the kernels compiled with the score options; one without, those
