@@ -406,10 +406,10 @@ KernelSpec = DecodeSimtSpec | DecodeMmaSpec | PrefillSpec | CacheWriteSpec
 # ---------------------------------------------------------------------------------------------------------------
 def decode_simt_specs() -> list[DecodeSimtSpec]:
     """The SIMT decode's: the kernels that write their result (or partials for the combine), then those that
-    combine their partitions in a cluster."""
+    combine their partitions in a cluster (without the score options)."""
     return [DecodeSimtSpec(dt, d, lay, g, bias, cluster, scores)
-            for scores in (False, True) for cluster in (False, True) for dt in CUDA_TYPES for d in HEAD_SIZES
-            for lay in KV_LAYOUTS for g in HEADS_PER_CTA for bias in BIAS_MODES]
+            for scores, cluster in ((False, False), (False, True), (True, False)) for dt in CUDA_TYPES
+            for d in HEAD_SIZES for lay in KV_LAYOUTS for g in HEADS_PER_CTA for bias in BIAS_MODES]
 
 
 def decode_mma_specs() -> list[DecodeMmaSpec]:

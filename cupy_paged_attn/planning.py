@@ -336,8 +336,10 @@ def plan_decode(shape: DecodeShape, device: Device, tuning: _tuning.Tuning | Non
     ctas = p.num_seqs * p.num_kv_heads * chunks
     tokens_per_part, parts = split_keys(ctas, window_keys(p, _specs.DECODE_SIMT_TILE_MULTIPLE), num_sms,
                                         _specs.DECODE_SIMT_TILE_MULTIPLE)
+    # (The kernels with the score options combine through decode_simt_combine: clusters of them would add 1,296
+    # specialisations to the compile sweep for a path that saves microseconds on small split grids.)
     cluster = (t.cluster_combine and device.clusters and 1 < parts <= _specs.DECODE_CLUSTER_MAX_PARTS
-               and ctas * parts <= _CLUSTER_CTAS_PER_SM * num_sms)
+               and ctas * parts <= _CLUSTER_CTAS_PER_SM * num_sms and not p.score_options)
     spec = DecodeSimtSpec(p.dtype, p.head_size, p.kv_layout, hg, p.bias, cluster, p.score_options)
     smem = spec.smem_bytes
     if parts > 1 and not cluster:
