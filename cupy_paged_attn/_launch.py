@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ._specs import NO_WINDOW
+from .planning import masking_window
 
 #: struct format of one 8-byte slot per argument dtype (a 4-byte value in the slot's low half, little-endian).
 _SLOT_FORMAT = {np.uint64: "Q", np.int64: "q", np.int32: "i4x", np.float32: "f4x"}
@@ -187,9 +188,7 @@ def attention_args(p: Any, *, tiled: bool, query_strides: tuple[int, ...], table
         *((("longest_first", i32(longest_first)),) if longest_first is not None else ()),
         # The score options last: the kernels compiled without them keep every other parameter where it was.
         ("soft_cap", np.float32(p.scores.soft_cap or 0.0)),
-        # (a window of max_len keys or more masks nothing: none, which also keeps it within int32)
-        ("window_left", i32(NO_WINDOW if p.scores.window_left is None or p.scores.window_left >= p.max_len
-                            else p.scores.window_left)),
+        ("window_left", i32(NO_WINDOW if (w := masking_window(p.scores.window_left, p.max_len)) is None else w)),
     ]
 
 

@@ -115,9 +115,8 @@ class DecodeShape:
 
     @property
     def window(self) -> int | None:
-        """The sliding window where it masks a key: ``window_left`` below ``max_len`` (a wider one masks nothing,
-        and the kernels get none), else None."""
-        return self.window_left if self.window_left is not None and self.window_left < self.max_len else None
+        """The sliding window where it masks a key (:func:`masking_window`)."""
+        return masking_window(self.window_left, self.max_len)
 
     @property
     def group_size(self) -> int:
@@ -167,6 +166,12 @@ def split_keys(ctas: int, max_len: int, num_sms: int, tile: int, resident: int |
     elif 0 < ctas < _SPLIT_BELOW_CTAS_PER_SM * num_sms:
         parts = min(-(-_CTAS_PER_SM_TARGET * num_sms // ctas), most)
     return partitions(max_len, parts, tile)
+
+
+def masking_window(window_left: int | None, max_len: int) -> int | None:
+    """``window_left`` where it masks a key: below ``max_len``. A wider window masks nothing: None, as for no window
+    (planning then chooses as without one, and the kernels get none)."""
+    return window_left if window_left is not None and window_left < max_len else None
 
 
 def window_keys(shape: DecodeShape, tile: int, span: int = 1) -> int:

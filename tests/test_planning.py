@@ -402,6 +402,11 @@ def test_prefill_window_split(causal):
         assert (launch.tokens_per_part, launch.num_parts) == (plain.tokens_per_part, plain.num_parts)
 
 
+def test_masking_window():
+    """One rule for planning and the kernels' argument: a window of max_len keys or more masks nothing."""
+    assert [planning.masking_window(w, 10) for w in (None, 0, 9, 10, 11)] == [None, 0, 9, None, None]
+
+
 def test_a_window_wider_than_max_len_changes_no_choice():
     """window_left >= max_len masks nothing: the same split and ranking as none, on the options' kernels."""
     base = decode_shape(64, (32, 8), 128, 8192)
