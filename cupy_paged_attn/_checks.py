@@ -431,7 +431,8 @@ class DecodeProblem:
         return dict(num_seqs=self.num_seqs, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                     head_size=self.head_size, max_len=self.max_len, dtype=self.dtype, kv_layout=self.kv_layout,
                     bias=b.mode, bias_dtype=b.dtype or "f32", bias_strides=b.strides, t5_max_distance=b.n,
-                    window_left=self.scores.window_left, soft_cap=self.scores.soft_cap is not None)
+                    window_left=self.scores.window_left, soft_cap=self.scores.soft_cap is not None,
+                    kv_cache=self.cache.fp8)
 
 
 def check_scale(scale: Any, head_size: int) -> float:
@@ -559,10 +560,18 @@ def serving_options(logits_soft_cap: Any, window_left: Any, kv_cache_dtype: Any,
 _NOT_ON_GPU = "the NumPy path computes it; the GPU kernels do not have it yet"
 
 
-def check_kernel_support(cache: CacheGeometry) -> None:
-    """NotImplementedError, naming the argument, for an option the GPU kernels lack: fp8 caches."""
-    if cache.fp8 is not None:
-        raise NotImplementedError(f"key_cache: an fp8 cache ({cache.fp8}) on the GPU; {_NOT_ON_GPU}")
+def check_kernel_support(cache: CacheGeometry, dtype: str, kernel: str) -> None:
+    """NotImplementedError, naming the argument, for what the GPU ``kernel`` (``"decode"``, ``"prefill"`` or
+    ``"cache write"``) lacks of fp8 caches: a head size that is not a multiple of 16 (decode and prefill), a float32
+    query (decode)."""
+    if cache.fp8 is None or kernel == "cache write":
+        return
+    if kernel == "decode" and dtype not in _specs.FP8_QUERY_DTYPES:
+        raise NotImplementedError(f"query: an fp8 cache ({cache.fp8}) with a float32 query on the GPU; "
+                                  f"{_NOT_ON_GPU} (float16 and bfloat16 queries run on the GPU)")
+    if cache.head_size not in _specs.FP8_HEAD_SIZES:
+        raise NotImplementedError(f"head_size: an fp8 cache on the GPU takes head sizes {_specs.FP8_HEAD_SIZES} "
+                                  f"(whole 16-byte vectors), got {cache.head_size}")
 
 
 def check_out(out: Any, query: Any) -> None:

@@ -159,12 +159,14 @@ def _pointer(pointers: dict[str, int]) -> Any:
 def attention_args(p: Any, *, tiled: bool, query_strides: tuple[int, ...], table_stride: int,
                    tokens_per_part: int, num_parts: int, longest_first: bool | None,
                    pointers: dict[str, int] | None = None, out_strides: tuple[int, int] = (0, 0), q_vec: bool = False,
-                   total_q: int | None = None, q_limit: int = 1, causal: bool = False) -> list[tuple[str, np.generic]]:
+                   total_q: int | None = None, q_limit: int = 1, causal: bool = False,
+                   kv_scales: bool = False) -> list[tuple[str, np.generic]]:
     """The parameters of an attention kernel for checked problem ``p`` (``_checks.DecodeProblem`` or
     ``PrefillProblem``): the SIMT decode's, or with ``tiled`` the tensor-core tile's (decode_mma, prefill_mma,
     prefill_simt, prefill_wgmma), which add the query rows (``q_vec``: the query may be read in 16-byte vectors;
     ``query_start_loc``, ``total_q``, ``tile_info``), ``q_limit`` (the rows a dense bias holds) and ``causal``.
-    ``longest_first``: decode's last parameter (None: the kernel has none, prefill)."""
+    ``longest_first``: decode's parameter (None: the kernel has none, prefill); ``kv_scales``: the kernel ends with
+    the fp8 scales' parameters (:func:`kv_scale_args`: decode's kernels)."""
     i64, i32 = np.int64, np.int32
     ptr = _pointer(pointers or {})
     bias = p.bias
@@ -189,7 +191,25 @@ def attention_args(p: Any, *, tiled: bool, query_strides: tuple[int, ...], table
         # The score options last: the kernels compiled without them keep every other parameter where it was.
         ("soft_cap", np.float32(p.scores.soft_cap or 0.0)),
         ("window_left", i32(NO_WINDOW if (w := masking_window(p.scores.window_left, p.max_len)) is None else w)),
+        *(kv_scale_args(p.k_scale, p.v_scale, pointers or {}) if kv_scales else ()),
     ]
+
+
+def kv_scale_args(k_scale: Any, v_scale: Any, pointers: dict[str, int]) -> list[tuple[str, np.generic]]:
+    """The fp8 scales' parameters (the last ones of the decode kernels, the cache write and the page dequantize):
+    the arrays' addresses (the operands ``k_scale`` / ``v_scale``; null for a number or no fp8 cache), their strides
+    by KV head (0: one scale for all), then the numbers (1.0 where an array holds the scale). ``k_scale``,
+    ``v_scale``: the checked ``_checks.KvScale`` or None."""
+    ptr = _pointer(pointers)
+
+    def stride(scale: Any) -> np.int32:
+        return np.int32(scale is not None and scale.array is not None and scale.array.shape[0] > 1)
+
+    def value(scale: Any) -> np.float32:
+        return np.float32(1.0 if scale is None or scale.value is None else scale.value)
+
+    return [("k_scales", ptr("k_scale")), ("v_scales", ptr("v_scale")), ("k_scale.stride", stride(k_scale)),
+            ("v_scale.stride", stride(v_scale)), ("k_scale", value(k_scale)), ("v_scale", value(v_scale))]
 
 
 def combine_args(p: Any, *, tiled: bool, num_parts: int, pointers: dict[str, int] | None = None,

@@ -7,15 +7,16 @@ so host and kernel cannot drift apart unnoticed.
 
 Kernel families (one ``.cu`` file each):
 
-=================  ===================  =========================================================================
-spec               source               kernels
-=================  ===================  =========================================================================
-DecodeSimtSpec     decode_simt.cu       ``decode_simt`` (float32 arithmetic on the CUDA cores), its combine
-DecodeMmaSpec      decode_mma.cu        ``decode_mma`` (the tensor-core decode tiling), ``tile_combine``
-PrefillSpec        prefill.cu           ``prefill_mma`` (mma.sync) or ``prefill_simt`` (float32), ``tile_combine``,
-                   prefill_wgmma.cu     ``prefill_plan``; or ``prefill_wgmma`` (Hopper) with the same two
-CacheWriteSpec     cache_write.cu       ``reshape_and_cache``
-=================  ===================  =========================================================================
+=====================  ===================  =========================================================================
+spec                   source               kernels
+=====================  ===================  =========================================================================
+DecodeSimtSpec         decode_simt.cu       ``decode_simt`` (float32 arithmetic on the CUDA cores), its combine
+DecodeMmaSpec          decode_mma.cu        ``decode_mma`` (the tensor-core decode tiling), ``tile_combine``
+PrefillSpec            prefill.cu           ``prefill_mma`` (mma.sync) or ``prefill_simt`` (float32), ``tile_combine``,
+                       prefill_wgmma.cu     ``prefill_plan``; or ``prefill_wgmma`` (Hopper) with the same two
+CacheWriteSpec         cache_write.cu       ``reshape_and_cache``
+CacheDequantizeSpec    cache_dequantize.cu  ``dequantize_pages`` (prefill over fp8 caches)
+=====================  ===================  =========================================================================
 """
 
 from __future__ import annotations
@@ -25,7 +26,14 @@ from typing import ClassVar
 
 #: Storage dtypes by short name, with the CUDA type that holds them.
 CUDA_TYPES = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16"}
+#: fp8 cache formats (``kv_cache_dtype``), with the CUDA type of their elements (common.cuh).
+FP8_TYPES = {"fp8_e4m3": "cpa::Fp8E4M3", "fp8_e5m2": "cpa::Fp8E5M2"}
 HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
+#: Head sizes of fp8 caches on the GPU: whole 16-byte vectors of one-byte elements.
+FP8_HEAD_SIZES = tuple(d for d in HEAD_SIZES if d % 16 == 0)
+#: Query dtypes of fp8 caches on the GPU (a float32 query with an fp8 cache runs on the NumPy path only: its 2,304
+#: more specialisations would not fit the compile sweep into CI's time).
+FP8_QUERY_DTYPES = ("f16", "bf16")
 #: Page sizes: any power of two up to 256 (a run-time parameter of the kernels, not a specialisation).
 BLOCK_SIZES = tuple(2**i for i in range(9))
 KV_LAYOUTS = ("nhd", "vllm", "hnd")
@@ -71,6 +79,7 @@ class DecodeSimtSpec:
     bias: str  # one of BIAS_MODES
     cluster: bool = False
     scores: bool = False  # the score options (soft-cap, sliding window) compiled in
+    kv_cache: str | None = None  # an fp8 format of the caches (a key of FP8_TYPES); None: the query's dtype
 
     source: ClassVar[str] = "decode_simt.cu"
     options: ClassVar[tuple[str, ...]] = COMPILE_OPTIONS
@@ -78,8 +87,9 @@ class DecodeSimtSpec:
 
     @property
     def key(self) -> str:
-        return (f"decode_simt_{self.dtype}_d{self.head_size}_{self.layout}_g{self.heads_per_cta}_bias-{self.bias}"
-                f"{'_cluster' if self.cluster else ''}{_scores_suffix(self.scores)}")
+        return (f"decode_simt_{self.dtype}{_kv_suffix(self.kv_cache)}_d{self.head_size}_{self.layout}"
+                f"_g{self.heads_per_cta}_bias-{self.bias}{'_cluster' if self.cluster else ''}"
+                f"{_scores_suffix(self.scores)}")
 
     @property
     def smem_bytes(self) -> int:
@@ -104,7 +114,8 @@ class DecodeSimtSpec:
     def name_expressions(self) -> tuple[str, str]:
         """The attention kernel and its split-K combine, as NVRTC name expressions."""
         t = CUDA_TYPES[self.dtype]
-        main = (f"cpa::decode_simt<{t}, {self.head_size}, {_CUDA_LAYOUT[self.layout]}, {self.heads_per_cta}, "
+        kv = _cuda_kv(self.dtype, self.kv_cache)
+        main = (f"cpa::decode_simt<{t}, {kv}, {self.head_size}, {_CUDA_LAYOUT[self.layout]}, {self.heads_per_cta}, "
                 f"{_CUDA_BIAS[self.bias]}, {_cuda_bool(self.cluster)}, {_cuda_bool(self.scores)}>")
         return main, f"cpa::decode_simt_combine<{t}, {self.head_size}>"
 
@@ -198,8 +209,9 @@ def decode_stages(head_size: int, rows: int) -> int:
     return 3 if decode_ctas_per_sm(head_size, rows) * (three + 1024) <= 227 * 1024 else 2
 
 
-def tile_smem_bytes(dtype: str, head_size: int, decode_rows: int = 0, wgmma: bool = False) -> int:
-    """Dynamic shared memory of one tensor-core CTA (TileLayout::kSmemBytes; 0 for the float32 prefill kernel)."""
+def tile_smem_bytes(dtype: str, head_size: int, decode_rows: int = 0, wgmma: bool = False, fp8: bool = False) -> int:
+    """Dynamic shared memory of one tensor-core CTA (TileLayout::kSmemBytes; 0 for the float32 prefill kernel).
+    ``fp8``: the decode tiling over fp8 caches, whose K/V region is one 16-bit stage and its stages of fp8."""
     if dtype == "f32":
         return 0
     vectors = padded_head(head_size) // 8  # 16-byte vectors per row
@@ -214,6 +226,8 @@ def tile_smem_bytes(dtype: str, head_size: int, decode_rows: int = 0, wgmma: boo
         ahead = stages - 1  # tiles in flight while one computes (TileLayout::AHEAD)
     rel_table = 0 if decode_rows else REL_TABLE  # (decode reads T5 through its own tables)
     align = 1024 if wgmma else 0  # Q and the stages start on the 128-byte swizzle's period
+    if fp8:
+        return _tiling_smem_bytes(rows, row, tile, 1, ahead + 2, rel_table, 0) + stages * 2 * tile * vectors // 2 * 16
     return _tiling_smem_bytes(rows, row, tile, stages, ahead + 2, rel_table, align)
 
 
@@ -226,11 +240,11 @@ def decode_staged_bias_bytes(bias: str, head_size: int, rows: int) -> int:
     return decode_stages(head_size, rows) * vectors.get(bias, 0) * 16
 
 
-def decode_bias_fits(bias: str, head_size: int, rows: int) -> bool:
+def decode_bias_fits(bias: str, head_size: int, rows: int, fp8: bool = False) -> bool:
     """Whether the decode tiling's CTAs per SM still fit with ``bias``'s stages (the static_assert beside
     bias_stage): at head size 80, 8 rows, three CTAs leave no room for the ragged stages, and that specialisation
     does not exist (the bias is read element by element, "ragged")."""
-    smem = tile_smem_bytes("bf16", head_size, rows) + decode_staged_bias_bytes(bias, head_size, rows)
+    smem = tile_smem_bytes("bf16", head_size, rows, fp8=fp8) + decode_staged_bias_bytes(bias, head_size, rows)
     return decode_ctas_per_sm(head_size, rows) * (smem + 1024) <= 227 * 1024
 
 
@@ -263,6 +277,16 @@ def _scores_suffix(scores: bool) -> str:
     return "_scores" if scores else ""
 
 
+def _kv_suffix(kv_cache: str | None) -> str:
+    """A spec key's mark of an fp8 cache, after the query's dtype: ``_kv-fp8_e4m3``."""
+    return f"_kv-{kv_cache}" if kv_cache else ""
+
+
+def _cuda_kv(dtype: str, kv_cache: str | None) -> str:
+    """The CUDA type of the caches' elements: the fp8 format's, else the query's."""
+    return FP8_TYPES[kv_cache] if kv_cache else CUDA_TYPES[dtype]
+
+
 def _tile_args(dtype: str, head_size: int, layout: str, bias: str) -> str:
     return f"{CUDA_TYPES[dtype]}, {head_size}, {_CUDA_LAYOUT[layout]}, {_CUDA_BIAS[bias]}"
 
@@ -278,6 +302,7 @@ class DecodeMmaSpec:
     bias: str  # one of DECODE_MMA_BIAS_MODES
     rows: int
     scores: bool = False  # the score options (soft-cap, sliding window) compiled in
+    kv_cache: str | None = None  # an fp8 format of the caches (a key of FP8_TYPES); None: the query's dtype
 
     source: ClassVar[str] = "decode_mma.cu"
     options: ClassVar[tuple[str, ...]] = COMPILE_OPTIONS
@@ -285,12 +310,12 @@ class DecodeMmaSpec:
 
     @property
     def key(self) -> str:
-        return (f"decode_mma_{self.dtype}_d{self.head_size}_{self.layout}_r{self.rows}_bias-{self.bias}"
-                f"{_scores_suffix(self.scores)}")
+        return (f"decode_mma_{self.dtype}{_kv_suffix(self.kv_cache)}_d{self.head_size}_{self.layout}_r{self.rows}"
+                f"_bias-{self.bias}{_scores_suffix(self.scores)}")
 
     @property
     def smem_bytes(self) -> int:
-        return tile_smem_bytes(self.dtype, self.head_size, self.rows)
+        return tile_smem_bytes(self.dtype, self.head_size, self.rows, fp8=self.kv_cache is not None)
 
     @property
     def ctas_per_sm(self) -> int:
@@ -301,7 +326,8 @@ class DecodeMmaSpec:
 
     def name_expressions(self) -> tuple[str, str]:
         """The attention kernel and its split-K combine."""
-        args = _tile_args(self.dtype, self.head_size, self.layout, self.bias)
+        args = (f"{CUDA_TYPES[self.dtype]}, {_cuda_kv(self.dtype, self.kv_cache)}, {self.head_size}, "
+                f"{_CUDA_LAYOUT[self.layout]}, {_CUDA_BIAS[self.bias]}")
         return (f"cpa::decode_mma<{args}, {self.rows}, {_cuda_bool(self.scores)}>",
                 f"cpa::tile_combine<{CUDA_TYPES[self.dtype]}, {self.head_size}, {self.rows}>")
 
@@ -380,6 +406,7 @@ class CacheWriteSpec:
     dtype: str
     layout: str
     slot_dtype: str  # "i32" | "i64"
+    kv_cache: str | None = None  # an fp8 format of the caches; None: the key's dtype
 
     source: ClassVar[str] = "cache_write.cu"
     options: ClassVar[tuple[str, ...]] = COMPILE_OPTIONS
@@ -388,17 +415,51 @@ class CacheWriteSpec:
 
     @property
     def key(self) -> str:
-        return f"cache_write_{self.dtype}_{self.layout}_slot-{self.slot_dtype}"
+        return f"cache_write_{self.dtype}{_kv_suffix(self.kv_cache)}_{self.layout}_slot-{self.slot_dtype}"
 
     def offline_arch(self, arch: str) -> str | None:
         return arch
 
     def name_expressions(self) -> tuple[str]:
         slot = {"i32": "int", "i64": "long long"}[self.slot_dtype]
-        return (f"cpa::reshape_and_cache<{CUDA_TYPES[self.dtype]}, {_CACHE_LAYOUT[self.layout]}, {slot}>",)
+        return (f"cpa::reshape_and_cache<{CUDA_TYPES[self.dtype]}, {_cuda_kv(self.dtype, self.kv_cache)}, "
+                f"{_CACHE_LAYOUT[self.layout]}, {slot}>",)
 
 
-KernelSpec = DecodeSimtSpec | DecodeMmaSpec | PrefillSpec | CacheWriteSpec
+# ---------------------------------------------------------------------------------------------------------------
+# The pages of fp8 caches dequantized for prefill (cache_dequantize.cu)
+# ---------------------------------------------------------------------------------------------------------------
+CACHE_DEQUANTIZE_THREADS = 128  # kDequantizeThreads
+
+
+@dataclass(frozen=True)
+class CacheDequantizeSpec:
+    """Compile-time choices of one page-dequantizing kernel: the output's dtype (the query's), the fp8 format, the
+    head size and the input's layout."""
+
+    dtype: str
+    kv_cache: str  # a key of FP8_TYPES
+    head_size: int
+    layout: str
+
+    source: ClassVar[str] = "cache_dequantize.cu"
+    options: ClassVar[tuple[str, ...]] = COMPILE_OPTIONS
+    threads: ClassVar[int] = CACHE_DEQUANTIZE_THREADS
+    smem_bytes: ClassVar[int] = 0
+
+    @property
+    def key(self) -> str:
+        return f"cache_dequantize_{self.dtype}{_kv_suffix(self.kv_cache)}_d{self.head_size}_{self.layout}"
+
+    def offline_arch(self, arch: str) -> str | None:
+        return arch
+
+    def name_expressions(self) -> tuple[str]:
+        return (f"cpa::dequantize_pages<{CUDA_TYPES[self.dtype]}, {FP8_TYPES[self.kv_cache]}, {self.head_size}, "
+                f"{_CUDA_LAYOUT[self.layout]}>",)
+
+
+KernelSpec = DecodeSimtSpec | DecodeMmaSpec | PrefillSpec | CacheWriteSpec | CacheDequantizeSpec
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -406,18 +467,29 @@ KernelSpec = DecodeSimtSpec | DecodeMmaSpec | PrefillSpec | CacheWriteSpec
 # ---------------------------------------------------------------------------------------------------------------
 def decode_simt_specs() -> list[DecodeSimtSpec]:
     """The SIMT decode's: the kernels that write their result (or partials for the combine), then those that
-    combine their partitions in a cluster (without the score options)."""
+    combine their partitions in a cluster (without the score options), then those of fp8 caches (no clusters;
+    fp8_simt_heads)."""
     return [DecodeSimtSpec(dt, d, lay, g, bias, cluster, scores)
             for scores, cluster in ((False, False), (False, True), (True, False)) for dt in CUDA_TYPES
-            for d in HEAD_SIZES for lay in KV_LAYOUTS for g in HEADS_PER_CTA for bias in BIAS_MODES]
+            for d in HEAD_SIZES for lay in KV_LAYOUTS for g in HEADS_PER_CTA for bias in BIAS_MODES] + [
+            DecodeSimtSpec(dt, d, lay, g, bias, False, scores, kv)
+            for kv in FP8_TYPES for scores in (False, True) for dt in FP8_QUERY_DTYPES
+            for d in FP8_HEAD_SIZES for lay in KV_LAYOUTS for g in fp8_simt_heads(d) for bias in BIAS_MODES]
+
+
+def fp8_simt_heads(head_size: int) -> tuple[int, ...]:
+    """Query heads per CTA of the SIMT decode of fp8 caches: one (multi-head decode whose grid the tensor cores do
+    not take) where grouped queries run on the tensor cores (head sizes up to 128), else every count."""
+    return (1,) if head_size in DECODE_MMA_HEAD_SIZES else HEADS_PER_CTA
 
 
 def decode_mma_specs() -> list[DecodeMmaSpec]:
-    """The tensor-core decode's (a staged bias only where its stages fit: decode_bias_fits)."""
-    return [DecodeMmaSpec(dt, d, lay, bias, rows, scores)
-            for scores in (False, True) for dt in ("f16", "bf16") for rows in DECODE_ROWS
-            for d in DECODE_MMA_HEAD_SIZES for lay in KV_LAYOUTS
-            for bias in DECODE_MMA_BIAS_MODES if decode_bias_fits(bias, d, rows)]
+    """The tensor-core decode's (a staged bias only where its stages fit: decode_bias_fits), then those of fp8
+    caches."""
+    return [DecodeMmaSpec(dt, d, lay, bias, rows, scores, kv)
+            for kv in (None, *FP8_TYPES) for scores in (False, True) for dt in ("f16", "bf16") for rows in DECODE_ROWS
+            for d in DECODE_MMA_HEAD_SIZES if kv is None or d in FP8_HEAD_SIZES for lay in KV_LAYOUTS
+            for bias in DECODE_MMA_BIAS_MODES if decode_bias_fits(bias, d, rows, kv is not None)]
 
 
 def prefill_specs() -> list[PrefillSpec]:
@@ -430,9 +502,16 @@ def prefill_specs() -> list[PrefillSpec]:
 
 
 def cache_write_specs() -> list[CacheWriteSpec]:
-    return [CacheWriteSpec(dt, lay, sl) for dt in CUDA_TYPES for lay in KV_LAYOUTS for sl in ("i32", "i64")]
+    return [CacheWriteSpec(dt, lay, sl, kv) for kv in (None, *FP8_TYPES) for dt in CUDA_TYPES for lay in KV_LAYOUTS
+            for sl in ("i32", "i64")]
+
+
+def cache_dequantize_specs() -> list[CacheDequantizeSpec]:
+    return [CacheDequantizeSpec(dt, kv, d, lay) for kv in FP8_TYPES for dt in CUDA_TYPES for d in FP8_HEAD_SIZES
+            for lay in KV_LAYOUTS]
 
 
 def all_specs() -> list[KernelSpec]:
     """Every specialisation of every kernel family."""
-    return [*decode_simt_specs(), *decode_mma_specs(), *prefill_specs(), *cache_write_specs()]
+    return [*decode_simt_specs(), *decode_mma_specs(), *prefill_specs(), *cache_write_specs(),
+            *cache_dequantize_specs()]

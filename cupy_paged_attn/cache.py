@@ -1,4 +1,5 @@
-"""``reshape_and_cache``: write new tokens' keys and values into their slots of the paged caches."""
+"""The paged caches' own kernels: ``reshape_and_cache`` writes new tokens' keys and values into their slots;
+:func:`dequantize_pages` gives prefill the pages of fp8 caches that it reads, in the query's dtype."""
 
 from __future__ import annotations
 
@@ -49,8 +50,7 @@ def reshape_and_cache(
     kv_cache_dtype, k_scale, v_scale
         As in :func:`paged_attention`. An fp8 cache stores ``value / scale`` computed in float32, saturated to the
         format's largest finite value (finite input never becomes NaN or inf), rounded to nearest even
-        (:func:`cupy_paged_attn.reference.fp8_quantize`). fp8 caches are written on the NumPy path only so far
-        (NotImplementedError on the GPU).
+        (:func:`cupy_paged_attn.reference.fp8_quantize`), on the GPU as on the NumPy path.
     validate : bool
         Also check that no slot lies past the cache (``ValueError`` naming the first such token). Copies
         ``slot_mapping`` to the host: a synchronisation, off by default. The NumPy path always does it.
@@ -91,7 +91,7 @@ def reshape_and_cache(
             arr["key"], arr["value"], arr["key_cache"], arr["value_cache"], arr["slot_mapping"], kv_layout,
             kv_cache_dtype, *(arr.get(name, options.get(name)) for name in ("k_scale", "v_scale")),
         )
-        _checks.check_kernel_support(problem.cache)
+        _checks.check_kernel_support(problem.cache, problem.dtype, "cache write")
         if validate:
             _checks.check_slots_host(dataclasses.replace(problem, slot_mapping=reference.to_numpy(slot_mapping)))
         k_cache, v_cache = problem.key_cache, problem.value_cache
@@ -99,12 +99,16 @@ def reshape_and_cache(
             k_cache, v_cache = k_cache.copy(), v_cache.copy()
         if problem.num_tokens:
             slot_dtype = "i64" if np.dtype(problem.slot_mapping.dtype) == np.int64 else "i32"
-            spec = _specs.CacheWriteSpec(problem.dtype, problem.kv_layout, slot_dtype)
+            spec = _specs.CacheWriteSpec(problem.dtype, problem.kv_layout, slot_dtype, problem.cache.fp8)
             (kernel,) = _compile.kernels(spec, device)
             k, v = _vector_ready(problem.key), _vector_ready(problem.value)
             slots = _interop.unit_last_stride(problem.slot_mapping)
             ks, vs = _checks.element_strides(k), _checks.element_strides(v)
             ptr, i64, i32 = _interop.kernel_arg, np.int64, np.int32
+            # (fp8 scales given as arrays, contiguous: kept here until the launch is queued)
+            scale_arrays = {name: _interop.unit_last_stride(scale.array)
+                            for name, scale in (("k_scale", problem.k_scale), ("v_scale", problem.v_scale))
+                            if scale is not None and scale.array is not None}
             args = _launch.PackedArgs([
                 ("key", ptr(k)), ("key.stride_t", i64(ks[0])), ("key.stride_h", i64(ks[1])), ("value", ptr(v)),
                 ("value.stride_t", i64(vs[0])), ("value.stride_h", i64(vs[1])), ("key_cache", ptr(k_cache)),
@@ -112,9 +116,51 @@ def reshape_and_cache(
                 ("slot_mapping", ptr(slots)), ("num_kv_heads", i32(problem.cache.num_kv_heads)),
                 ("head_size", i32(problem.cache.head_size)), ("block_size", i32(problem.cache.block_size)),
                 ("num_blocks", i32(problem.cache.num_blocks)),
+                *_launch.kv_scale_args(problem.k_scale, problem.v_scale,
+                                       {name: _interop.data_ptr(x) for name, x in scale_arrays.items()}),
             ])
             _launch.Launch(_launch.function_of(kernel), (problem.num_tokens, 1, 1), spec.threads, args).launch(
                 stream.ptr)
     if framework == "jax":
         return _interop.finish("jax", k_cache), _interop.finish("jax", v_cache)
     return key_cache, value_cache
+
+
+def dequantize_pages(problem: _checks.PrefillProblem, framework: str, like: Any, stream: Any,
+                     device: int) -> _checks.PrefillProblem:
+    """``problem`` (checked, fp8 caches) over new caches in the query's dtype and the NHD layout that hold the pages
+    its sequences read, dequantized on ``stream``: page ``s * max_blocks_per_seq + i`` for entry ``i`` of sequence
+    ``s``'s block table, and a block table of those pages (-1 for entries past the sequence's length or outside the
+    cache, which the attention kernels skip). No device data is read on the host. The new caches hold
+    ``num_seqs * max_blocks_per_seq`` pages of ``block_size * num_kv_heads * head_size`` elements each, allocated
+    in the caller's framework for ``stream`` (the returned problem owns them until the launches that read them are
+    queued).
+    """
+    c = problem.cache
+    pages = problem.num_seqs * problem.max_blocks_per_seq
+    shape = (pages, c.block_size, c.num_kv_heads, c.head_size)
+    key_out = _interop.empty(framework, shape, problem.query.dtype, like, stream)[1]
+    value_out = _interop.empty(framework, shape, problem.query.dtype, like, stream)[1]
+    table = _interop.empty(framework, (problem.num_seqs, problem.max_blocks_per_seq), np.int32, like, stream)[1]
+    spec = _specs.CacheDequantizeSpec(problem.dtype, c.fp8, c.head_size, problem.kv_layout)
+    (kernel,) = _compile.kernels(spec, device)
+    tables, lens = _interop.unit_last_stride(problem.block_tables), _interop.unit_last_stride(problem.seq_lens)
+    scale_arrays = {name: _interop.unit_last_stride(scale.array)
+                    for name, scale in (("k_scale", problem.k_scale), ("v_scale", problem.v_scale))
+                    if scale is not None and scale.array is not None}
+    ptr, i64, i32 = _interop.kernel_arg, np.int64, np.int32
+    args = _launch.PackedArgs([
+        ("key_out", ptr(key_out)), ("value_out", ptr(value_out)), ("table_out", ptr(table)),
+        ("key_cache", ptr(problem.key_cache)), ("value_cache", ptr(problem.value_cache)),
+        ("block_stride", i64(c.block_stride)), ("num_blocks", i32(c.num_blocks)),
+        ("block_shift", i32(c.block_size.bit_length() - 1)), ("num_kv_heads", i32(c.num_kv_heads)),
+        ("block_tables", ptr(tables)), ("block_tables.stride", i64(_checks.element_strides(tables)[0])),
+        ("seq_lens", ptr(lens)), ("max_blocks", i32(problem.max_blocks_per_seq)),
+        *_launch.kv_scale_args(problem.k_scale, problem.v_scale,
+                               {name: _interop.data_ptr(x) for name, x in scale_arrays.items()}),
+    ])
+    _launch.Launch(_launch.function_of(kernel), (pages, 1, 1), spec.threads, args).launch(stream.ptr)
+    geometry = _checks.CacheGeometry(pages, c.block_size, c.num_kv_heads, c.head_size,
+                                     c.block_size * c.num_kv_heads * c.head_size)
+    return dataclasses.replace(problem, key_cache=key_out, value_cache=value_out, block_tables=table,
+                               kv_layout="nhd", cache=geometry, k_scale=None, v_scale=None)

@@ -36,9 +36,11 @@ _POINTER_PARAMS = {
     "query": "query", "key_cache": "key_cache", "value_cache": "value_cache", "block_tables": "block_tables",
     "seq_lens": "seq_lens", "alibi_slopes": "alibi_slopes", "attn_bias": "bias", "attn_bias.values": "bias",
     "attn_bias.table": "bias", "attn_bias.offsets": "bias.index", "attn_bias.buckets": "bias.index",
+    "k_scale": "k_scales", "v_scale": "v_scales",  # (fp8 scales given as arrays)
 }
 #: Operands the kernels read with unit last stride (a strided one is copied first).
-_UNIT_STRIDE = ("query", "block_tables", "seq_lens", "alibi_slopes", "attn_bias.offsets", "attn_bias.buckets")
+_UNIT_STRIDE = ("query", "block_tables", "seq_lens", "alibi_slopes", "attn_bias.offsets", "attn_bias.buckets",
+                "k_scale", "v_scale")
 #: Operands the kernels read in 16-byte vectors: their address must be a multiple of 16 (_checks.check_aligned).
 _VECTOR_LOADS = ("key_cache", "value_cache")
 
@@ -64,6 +66,10 @@ class DecodePlan:
         geometry) and whether ALiBi is used are fixed by the plan.
     logits_soft_cap, window_left
         As in :func:`paged_attention`; fixed by the plan.
+    kv_cache_dtype, k_scale, v_scale
+        As in :func:`paged_attention`. A scale given as a number is fixed by the plan; one given as an array is an
+        operand of :meth:`run` (which then takes an array like it), so a CUDA graph of the run reads its current
+        value.
 
     Raises
     ------
@@ -85,10 +91,15 @@ class DecodePlan:
         kv_layout: str = "nhd",
         logits_soft_cap: float | None = None,
         window_left: int | None = None,
+        kv_cache_dtype: str = "auto",
+        k_scale: Any = None,
+        v_scale: Any = None,
     ) -> None:
-        named = _operands(query, key_cache, value_cache, block_tables, seq_lens, attn_bias, alibi_slopes)
-        options, _ = _checks.serving_options(logits_soft_cap, window_left, "auto", None, None)
-        framework = _interop.common_framework(named, optional=("attn_bias", "alibi_slopes"))
+        options, scale_arrays = _checks.serving_options(logits_soft_cap, window_left, kv_cache_dtype, k_scale,
+                                                        v_scale)
+        named = {**_operands(query, key_cache, value_cache, block_tables, seq_lens, attn_bias, alibi_slopes),
+                 **scale_arrays}
+        framework = _interop.common_framework(named, optional=("attn_bias", "alibi_slopes", *scale_arrays))
         if framework == "numpy":
             raise TypeError("query: a DecodePlan launches GPU kernels; NumPy arrays run through paged_attention")
         device = _interop.device_of("query", query, framework)
@@ -131,7 +142,7 @@ class DecodePlan:
         self._args = _launch.PackedArgs(_launch.attention_args(
             problem, tiled=launch.tensor_cores, query_strides=_kernel_strides(problem.query),
             table_stride=_kernel_strides(problem.block_tables)[0], tokens_per_part=launch.tokens_per_part,
-            num_parts=launch.num_parts, longest_first=launch.longest_first))
+            num_parts=launch.num_parts, longest_first=launch.longest_first, kv_scales=True))
         self._combine_args = _launch.PackedArgs(_launch.combine_args(problem, tiled=launch.tensor_cores,
                                                                      num_parts=launch.num_parts))
         # Per operand: its argument slot, and whether it needs unit last stride / 16-byte alignment (_point_at).
@@ -192,18 +203,27 @@ class DecodePlan:
         *,
         attn_bias: Any = None,
         alibi_slopes: Any = None,
+        k_scale: Any = None,
+        v_scale: Any = None,
         out: Any = None,
         stream: Any = None,
     ) -> Any:
         """Attention for arrays like the plan's; returns ``out``, or a new array in the query's framework.
 
         Each array must match the one the plan was built from in dtype, shape, strides and device; ``attn_bias``
-        must be of the same kind and geometry (its arrays matching likewise) and ``alibi_slopes`` given iff it was.
+        must be of the same kind and geometry (its arrays matching likewise), and ``alibi_slopes``, ``k_scale`` and
+        ``v_scale`` given iff they were arrays there.
         ``out`` is like ``query`` (last dimension contiguous, other strides free). ``stream`` as in
         :func:`paged_attention`. Raises ValueError naming the first argument that does not match (or a cache not
         16-byte aligned); TypeError for ``out`` with JAX arrays or of another framework.
         """
         named = _operands(query, key_cache, value_cache, block_tables, seq_lens, attn_bias, alibi_slopes)
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if (scale is None) != (name not in self._signatures):
+                raise ValueError(f"{name}: expected " + ("an array" if scale is None else "None") +
+                                 " like the plan's (a plan fixes a scale given as a number)")
+            if scale is not None:
+                named[name] = scale
         geometry = _checks.bias_geometry(attn_bias)
         if geometry != self._bias_geometry:
             raise ValueError(f"attn_bias: the plan was built for a bias of kind "
@@ -280,7 +300,9 @@ class DecodePlan:
         arrays = {"query": problem.query, "key_cache": problem.key_cache, "value_cache": problem.value_cache,
                   "block_tables": problem.block_tables, "seq_lens": problem.seq_lens,
                   "alibi_slopes": problem.alibi_slopes, "attn_bias": problem.bias.array,
-                  "attn_bias.offsets": problem.bias.index}
+                  "attn_bias.offsets": problem.bias.index,
+                  **{name: scale.array for name, scale in (("k_scale", problem.k_scale), ("v_scale", problem.v_scale))
+                     if scale is not None and scale.array is not None}}
         for name, x in arrays.items():
             if x is None:
                 continue
@@ -343,13 +365,12 @@ class DecodePlan:
 _PLANS = threading.local()
 _MAX_PLANS_PER_THREAD = 64
 _NATIVE = {"torch": "torch", "cupy": "cupy"}  # the top-level module of an operand's type -> signature's kind
-_SCORE_OPTIONS = {"logits_soft_cap", "window_left"}  # options a cached plan holds
 
 
 def _plan_key(named: dict[str, Any], scale: Any, kv_layout: Any, attn_bias: Any, options: dict[str, Any] | None = None,
               ) -> tuple[tuple[Any, ...], dict[str, tuple[Any, ...]], DecodePlan | None] | None:
     """paged_attention's key for operands ``named`` (as :func:`_operands` names them) of torch or CuPy and its
-    score options (``logits_soft_cap``, ``window_left``: each value with its type, as ``scale``), their signatures
+    serving options (each value with its type, as ``scale``; none an array), their signatures
     and this thread's plan of that key (None if it has none yet); None for other frameworks, or operands that a
     signature cannot read (the checks then name them)."""
     kind = _NATIVE.get(type(named["query"]).__module__.partition(".")[0])
@@ -376,6 +397,8 @@ def _problem_key(problem: _checks.DecodeProblem, framework: str, device: int) ->
         framework, device, _tuning.current(), p.dtype, p.head_size, p.kv_layout, p.num_seqs,
         p.num_heads, p.num_kv_heads, p.max_len, p.scale, _kernel_strides(p.query), _kernel_strides(p.block_tables),
         dataclasses.astuple(p.cache), b.mode, b.strides, b.dtype, b.n, b.m, p.alibi_slopes is None, p.scores,
+        *((s.value, None if s.array is None else tuple(s.array.shape)) if s is not None else None
+          for s in (p.k_scale, p.v_scale)),
     )
 
 
@@ -413,7 +436,7 @@ def _check_wrapped(arr: dict[str, Any], attn_bias: Any, scale: Any, kv_layout: A
         scale=scale, attn_bias=attn_bias, alibi_slopes=arr.get("alibi_slopes"), kv_layout=kv_layout,
         out=arr.get("out"), bias_arrays={k: v for k, v in arr.items() if k.startswith("attn_bias")}, **options,
     )
-    _checks.check_kernel_support(problem.cache)
+    _checks.check_kernel_support(problem.cache, problem.dtype, "decode")
     return problem
 
 
@@ -497,10 +520,14 @@ def paged_attention(
     kv_cache_dtype : {"auto", "fp8_e4m3", "fp8_e5m2"}
         ``"auto"``: the caches hold the query's dtype, or ml_dtypes' / torch's ``float8_e4m3fn`` or ``float8_e5m2``.
         ``"fp8_e4m3"`` / ``"fp8_e5m2"``: fp8 caches stored as uint8 (vLLM's convention) or as that float8 dtype.
-        fp8 caches are read on the NumPy path only so far.
+        On the GPU, fp8 caches take float16 / bfloat16 queries and head sizes that are multiples of 16: the
+        tensor-core decode converts each tile once in shared memory to the query's dtype (exact: every fp8 value is
+        a float16 and a bfloat16), the SIMT decode converts 16-value vectors to float32 in registers; the scales
+        multiply the logits and the output in float32.
     k_scale, v_scale : float or array ``[1]`` or ``[num_kv_heads]``, float32, optional
         fp8 caches only (default 1.0): a stored value ``x`` reads as ``x * scale`` (vLLM's convention; a KV head's
-        own scale with ``[num_kv_heads]``). An array keeps the scale on the device.
+        own scale with ``[num_kv_heads]``). An array keeps the scale on the device (a CUDA graph reads its current
+        value).
     out : array like ``query``, optional
         Written in place and returned; same shape, dtype and framework as ``query``; last dimension contiguous.
         Not accepted for JAX (immutable arrays).
@@ -540,8 +567,8 @@ def paged_attention(
         ``values``, and fp8 scale arrays' values.
     NotImplementedError
         A head_size or block_size outside the supported sets; a dense bias or RaggedBias values whose keys lie
-        2**31 bytes or more apart (the kernels step from key to key by a 32-bit byte count); on the GPU, fp8
-        caches (the kernels do not have them yet).
+        2**31 bytes or more apart (the kernels step from key to key by a 32-bit byte count); on the GPU, an fp8
+        cache with a float32 query (``query``) or a head size that is not a multiple of 16 (``head_size``).
     RuntimeError
         Kernel compilation failed (with the NVRTC log), or NVRTC / CUDA headers are missing (naming the extra).
 
@@ -558,8 +585,8 @@ def paged_attention(
     """
     operands = _operands(query, key_cache, value_cache, block_tables, seq_lens, attn_bias, alibi_slopes)
     options, scale_arrays = _checks.serving_options(logits_soft_cap, window_left, kv_cache_dtype, k_scale, v_scale)
-    # The repeated-call fast path: calls without fp8 caches (their scales may be device arrays, read per call).
-    keyed = _plan_key(operands, scale, kv_layout, attn_bias, options) if options.keys() <= _SCORE_OPTIONS else None
+    # The repeated-call fast path: calls whose options are all values (fp8 scales given as arrays are operands).
+    keyed = _plan_key(operands, scale, kv_layout, attn_bias, options) if not scale_arrays else None
     if keyed is not None and keyed[2] is not None and not validate:
         return keyed[2]._run_native(operands, out, query, stream, keyed[1])
     named = {**operands, **scale_arrays, "out": out}

@@ -86,6 +86,48 @@ def _split_bias(attn_bias: Any) -> tuple[_BiasSpec, list[Any]]:
     return _BiasSpec("dense"), [attn_bias]
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# fp8 caches: float8 arrays travel as uint8 (a bitcast, free under jit: CuPy has no float8 dtype) with their format
+# static; a scale is a static number or an operand
+# ---------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Fp8Spec:
+    """The static part of a call's fp8 options: the format (None: no fp8 cache), each scale's number (None: its
+    array is an operand, after the bias's and ALiBi's)."""
+
+    kv_cache_dtype: str = "auto"
+    k_scale: float | None = None
+    v_scale: float | None = None
+    k_array: bool = False
+    v_array: bool = False
+
+    def options(self, arrays: list[Any]) -> dict[str, Any]:
+        """The library's keyword arguments, with the scale arrays (``arrays``: the trailing operands) put back."""
+        if self.kv_cache_dtype == "auto":
+            return {}
+        rest = iter(arrays)
+        return {"kv_cache_dtype": self.kv_cache_dtype,
+                "k_scale": next(rest) if self.k_array else self.k_scale,
+                "v_scale": next(rest) if self.v_array else self.v_scale}
+
+
+def _split_fp8(key_cache: Any, value_cache: Any, kv_cache_dtype: str, k_scale: Any, v_scale: Any
+               ) -> tuple[_Fp8Spec, Any, Any, list[Any]]:
+    """``(spec, key_cache, value_cache, scale operands)``: float8 caches bitcast to uint8 with their format named
+    (``kv_cache_dtype`` "auto" takes it from the dtype), number scales static."""
+    fmt = kv_cache_dtype
+    if isinstance(fmt, str) and fmt == "auto" and np.dtype(value_cache.dtype) == np.dtype(key_cache.dtype):
+        fmt = {v: k for k, v in _checks.FP8_FORMATS.items()}.get(np.dtype(key_cache.dtype), "auto")
+    if not isinstance(fmt, str) or fmt not in _checks.FP8_FORMATS:  # none (the checks name what is wrong)
+        return _Fp8Spec(), key_cache, value_cache, []
+    caches = [jax.lax.bitcast_convert_type(c, np.uint8) if np.dtype(c.dtype).itemsize == 1 and
+              np.dtype(c.dtype) != np.uint8 else c for c in (key_cache, value_cache)]
+    arrays = [x for x in (k_scale, v_scale) if x is not None and hasattr(x, "shape")]
+    spec = _Fp8Spec(fmt, *(None if x is None or hasattr(x, "shape") else float(x) for x in (k_scale, v_scale)),
+                    hasattr(k_scale, "shape"), hasattr(v_scale, "shape"))
+    return spec, caches[0], caches[1], arrays
+
+
 def relative_position_bias(table: jax.Array, *, num_buckets: int = 32, max_distance: int = 128,
                            bidirectional: bool = False) -> RelativePositionBias:
     """T5's bias for the functions of this module, usable on a traced ``table`` (inside ``jax.jit``).
@@ -151,17 +193,20 @@ def _stream(ctx: Any, buffer: Any) -> int | None:
 
 @functools.cache
 def _decode_callback(bias: _BiasSpec, has_alibi: bool, scale: float | None, kv_layout: str,
-                     scores: _checks.ScoreOptions) -> Callable[..., None]:
-    """One callback per static configuration, so that equal calls stage equal primitives (jit cache hits)."""
+                     scores: _checks.ScoreOptions, fp8: _Fp8Spec) -> Callable[..., None]:
+    """One callback per static configuration, so that equal calls stage equal primitives (jit cache hits). Operands:
+    the five arrays, the bias's, ALiBi's slopes, the fp8 scale arrays."""
 
     def callback(ctx: Any, out: Any, *buffers: Any) -> None:
         arrays = [_array(b) for b in buffers]
         q, k_cache, v_cache, tables, lens = arrays[:5]
         extra = arrays[5:]
+        n = bias.num_arrays + has_alibi
         _decode.paged_attention(
             q, k_cache, v_cache, tables, lens, scale=scale, attn_bias=bias.rebuild(extra[: bias.num_arrays]),
-            alibi_slopes=extra[-1] if has_alibi else None, kv_layout=kv_layout, out=_array(out),
+            alibi_slopes=extra[n - 1] if has_alibi else None, kv_layout=kv_layout, out=_array(out),
             stream=_stream(ctx, out), logits_soft_cap=scores.soft_cap, window_left=scores.window_left,
+            **fp8.options(extra[n:]),
         )
 
     return callback
@@ -169,42 +214,52 @@ def _decode_callback(bias: _BiasSpec, has_alibi: bool, scale: float | None, kv_l
 
 @functools.cache
 def _prefill_callback(bias: _BiasSpec, has_alibi: bool, causal: bool, scale: float | None, kv_layout: str,
-                      scores: _checks.ScoreOptions) -> Callable[..., None]:
+                      scores: _checks.ScoreOptions, fp8: _Fp8Spec) -> Callable[..., None]:
     def callback(ctx: Any, out: Any, *buffers: Any) -> None:
         arrays = [_array(b) for b in buffers]
         q, k_cache, v_cache, tables, lens, starts = arrays[:6]
         extra = arrays[6:]
+        n = bias.num_arrays + has_alibi
         _prefill.paged_prefill_attention(
             q, k_cache, v_cache, tables, lens, starts, causal=causal, scale=scale,
-            attn_bias=bias.rebuild(extra[: bias.num_arrays]), alibi_slopes=extra[-1] if has_alibi else None,
+            attn_bias=bias.rebuild(extra[: bias.num_arrays]), alibi_slopes=extra[n - 1] if has_alibi else None,
             kv_layout=kv_layout, out=_array(out), stream=_stream(ctx, out), logits_soft_cap=scores.soft_cap,
-            window_left=scores.window_left,
+            window_left=scores.window_left, **fp8.options(extra[n:]),
         )
 
     return callback
 
 
 @functools.cache
-def _cache_callback(kv_layout: str) -> Callable[..., None]:
+def _cache_callback(kv_layout: str, fp8: _Fp8Spec) -> Callable[..., None]:
     def callback(ctx: Any, out: tuple[Any, Any], key: Any, value: Any, key_cache: Any, value_cache: Any,
-                 slot_mapping: Any) -> None:
+                 slot_mapping: Any, *scales: Any) -> None:
         del key_cache, value_cache  # aliased to the outputs: ``out`` holds them, written in place
         k_out = out[0]
         args = [_array(b) for b in (key, value, *out, slot_mapping)]
+        options = fp8.options([_array(b) for b in scales])
         if _on_cpu(k_out):
-            _cache.reshape_and_cache(*args, kv_layout=kv_layout)
+            _cache.reshape_and_cache(*args, kv_layout=kv_layout, **options)
             return
         import cupy
 
         device = int(k_out.__dlpack_device__()[1])
         with cupy.cuda.Device(device), _interop.resolve_stream(int(ctx.stream), "cupy", device):
-            _cache.reshape_and_cache(*args, kv_layout=kv_layout)  # launches on CuPy's current stream: XLA's
+            _cache.reshape_and_cache(*args, kv_layout=kv_layout, **options)  # on CuPy's current stream: XLA's
 
     return callback
 
 
 def _scale(scale: float | None) -> float | None:
     return None if scale is None else float(scale)
+
+
+def _stand_in_fp8(fp8: _Fp8Spec, kv_cache_dtype: Any, k_scale: Any, v_scale: Any) -> dict[str, Any]:
+    """The fp8 keyword arguments of the trace-time checks: the format (as given, where it names none), the scales as
+    numbers or shape-only stand-ins."""
+    return {"kv_cache_dtype": fp8.kv_cache_dtype if fp8.kv_cache_dtype != "auto" else kv_cache_dtype,
+            "k_scale": _stand_in(k_scale) if hasattr(k_scale, "shape") else k_scale,
+            "v_scale": _stand_in(v_scale) if hasattr(v_scale, "shape") else v_scale}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -223,6 +278,9 @@ def paged_attention(
     kv_layout: str = "nhd",
     logits_soft_cap: float | None = None,
     window_left: int | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
 ) -> jax.Array:
     """:func:`cupy_paged_attn.paged_attention` for ``jax.jit``: arrays or tracers in, a ``jax.Array`` out.
 
@@ -246,6 +304,10 @@ def paged_attention(
         Static. Gemma 2's soft-cap: a logit is ``c * tanh(scale * <q, k> / c)`` before the bias and ALiBi.
     window_left : int, optional
         Static. A sliding window: the query at position ``p`` attends keys ``p - window_left ... p``.
+    kv_cache_dtype, k_scale, v_scale
+        fp8 caches, as in :func:`cupy_paged_attn.paged_attention`: caches of ``jnp.float8_e4m3fn`` /
+        ``float8_e5m2`` (or uint8 with ``kv_cache_dtype``, static); a scale is a number (static) or a float32 array
+        ``[1]`` or ``[num_kv_heads]`` (an operand).
 
     Returns
     -------
@@ -260,6 +322,7 @@ def paged_attention(
         block ids) is not read: out-of-range values are clamped or skipped by the kernels.
     """
     spec, bias_arrays = _split_bias(attn_bias)
+    fp8, key_cache, value_cache, scale_arrays = _split_fp8(key_cache, value_cache, kv_cache_dtype, k_scale, v_scale)
     operands = [query, key_cache, value_cache, block_tables, seq_lens, *bias_arrays]
     if alibi_slopes is not None:
         operands.append(alibi_slopes)
@@ -267,8 +330,9 @@ def paged_attention(
     bias, named = _stand_in_bias(spec, bias_arrays)
     problem = _checks.check_decode(*stand, scale=scale, attn_bias=bias, alibi_slopes=_stand_in(alibi_slopes),
                                    kv_layout=kv_layout, out=None, bias_arrays=named, logits_soft_cap=logits_soft_cap,
-                                   window_left=window_left)
-    callback = _decode_callback(spec, alibi_slopes is not None, _scale(scale), kv_layout, problem.scores)
+                                   window_left=window_left, **_stand_in_fp8(fp8, kv_cache_dtype, k_scale, v_scale))
+    callback = _decode_callback(spec, alibi_slopes is not None, _scale(scale), kv_layout, problem.scores, fp8)
+    operands += scale_arrays
     result = jax.ShapeDtypeStruct(query.shape, query.dtype)
     return _buffer_callback()(callback, result)(*operands)
 
@@ -288,6 +352,9 @@ def paged_prefill_attention(
     kv_layout: str = "nhd",
     logits_soft_cap: float | None = None,
     window_left: int | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
 ) -> jax.Array:
     """:func:`cupy_paged_attn.prefill.paged_prefill_attention` for ``jax.jit``.
 
@@ -297,6 +364,7 @@ def paged_prefill_attention(
         The query rows of all sequences, packed; sequence ``s``'s rows are the last ``q_len`` of its
         ``seq_lens[s]`` keys.
     key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, kv_layout, logits_soft_cap
+    kv_cache_dtype, k_scale, v_scale
         As in :func:`paged_attention`.
     window_left : int, optional
         Static. A sliding window: a query row at position ``p`` attends keys ``p - window_left`` on (through ``p``
@@ -319,6 +387,7 @@ def paged_prefill_attention(
         As :func:`paged_attention` (a RaggedBias is NotImplementedError).
     """
     spec, bias_arrays = _split_bias(attn_bias)
+    fp8, key_cache, value_cache, scale_arrays = _split_fp8(key_cache, value_cache, kv_cache_dtype, k_scale, v_scale)
     operands = [query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, *bias_arrays]
     if alibi_slopes is not None:
         operands.append(alibi_slopes)
@@ -326,9 +395,11 @@ def paged_prefill_attention(
     bias, named = _stand_in_bias(spec, bias_arrays)
     problem = _checks.check_prefill(*stand, causal=causal, scale=scale, attn_bias=bias,
                                     alibi_slopes=_stand_in(alibi_slopes), kv_layout=kv_layout, out=None,
-                                    bias_arrays=named, logits_soft_cap=logits_soft_cap, window_left=window_left)
+                                    bias_arrays=named, logits_soft_cap=logits_soft_cap, window_left=window_left,
+                                    **_stand_in_fp8(fp8, kv_cache_dtype, k_scale, v_scale))
     callback = _prefill_callback(spec, alibi_slopes is not None, bool(causal), _scale(scale), kv_layout,
-                                 problem.scores)
+                                 problem.scores, fp8)
+    operands += scale_arrays
     result = jax.ShapeDtypeStruct(query.shape, query.dtype)
     return _buffer_callback()(callback, result)(*operands)
 
@@ -341,6 +412,9 @@ def reshape_and_cache(
     slot_mapping: jax.Array,
     *,
     kv_layout: str = "nhd",
+    kv_cache_dtype: str = "auto",
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`cupy_paged_attn.reshape_and_cache` for ``jax.jit``, functional: returns the written caches.
 
@@ -351,16 +425,22 @@ def reshape_and_cache(
         Not modified (unless donated to the jitted function, which lets XLA write them in place).
     slot_mapping : jax.Array ``[num_tokens]``, int32
         ``slot = block * block_size + offset``; negative slots are skipped, slots past the cache are skipped.
-    kv_layout : {"nhd", "vllm"}
+    kv_layout : {"nhd", "vllm", "hnd"}
+    kv_cache_dtype, k_scale, v_scale
+        fp8 caches, as in :func:`paged_attention` (stored: ``value / scale``, rounded to the nearest, saturated).
 
     Returns
     -------
-    (key_cache, value_cache) : new jax.Arrays, the caches with the tokens written.
+    (key_cache, value_cache) : new jax.Arrays, the caches with the tokens written (of the caches' dtype).
     """
+    dtypes = (key_cache.dtype, value_cache.dtype)
+    fp8, key_cache, value_cache, scale_arrays = _split_fp8(key_cache, value_cache, kv_cache_dtype, k_scale, v_scale)
     stand = [_stand_in(x) for x in (key, value, key_cache, value_cache, slot_mapping)]
-    _checks.check_cache_write(*stand, kv_layout)
+    _checks.check_cache_write(*stand, kv_layout, **_stand_in_fp8(fp8, kv_cache_dtype, k_scale, v_scale))
     results = (jax.ShapeDtypeStruct(key_cache.shape, key_cache.dtype),
                jax.ShapeDtypeStruct(value_cache.shape, value_cache.dtype))
-    staged = _buffer_callback()(_cache_callback(kv_layout), results, input_output_aliases={2: 0, 3: 1})
-    k_out, v_out = staged(key, value, key_cache, value_cache, slot_mapping)
+    staged = _buffer_callback()(_cache_callback(kv_layout, fp8), results, input_output_aliases={2: 0, 3: 1})
+    k_out, v_out = staged(key, value, key_cache, value_cache, slot_mapping, *scale_arrays)
+    if k_out.dtype != dtypes[0]:  # float8 caches travelled as uint8
+        k_out, v_out = (jax.lax.bitcast_convert_type(x, d) for x, d in zip((k_out, v_out), dtypes, strict=True))
     return k_out, v_out

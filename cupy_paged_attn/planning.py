@@ -91,7 +91,8 @@ class DecodeShape:
     ragged: row, head, 0, 0); None means a C-ordered bias (dense ``[num_seqs, num_heads, max_len]``, ragged
     ``[total, num_heads]``). ``t5_max_distance`` is a T5 bias's ``max_distance``. ``window_left``: a sliding window
     (None: none); the split then cuts the window's keys, not ``max_len``. ``soft_cap``: the call has a logit soft-cap.
-    Either option runs the kernels compiled with the score options (``score_options``).
+    Either option runs the kernels compiled with the score options (``score_options``). ``kv_cache``: the caches'
+    fp8 format (``"fp8_e4m3"``, ``"fp8_e5m2"``), None when they hold ``dtype``: fp8 caches run the SIMT decode.
     """
 
     num_seqs: int
@@ -107,6 +108,7 @@ class DecodeShape:
     t5_max_distance: int = 0
     window_left: int | None = None
     soft_cap: bool = False
+    kv_cache: str | None = None
 
     @property
     def score_options(self) -> bool:
@@ -271,14 +273,15 @@ def heads_per_cta(group_size: int) -> int:
 
 def uses_tensor_cores(shape: DecodeShape, num_sms: int, tuning: _tuning.Tuning) -> bool:
     """Whether :func:`plan_decode` runs ``shape`` on the tensor cores of a device of ``num_sms`` SMs: float16 /
-    bfloat16 of a head size up to 128 with grouped queries, or multi-head queries whose grid fills the GPU unsplit
-    (a wave of its CTAs or more, and no tail split: :func:`tail_parts`) and whose bias is not ragged (the tile's
-    copy of one head's bias per key cost more: B64 H16 d64 L2048 136.9 -> 140.3 us; split grids ran slower too: B8
-    H16 d64 L∈[4096, 131072] in 3 partitions 548 -> 712 us, the latency case 7.7 -> 8.3 us)."""
+    bfloat16 (caches of the query's dtype or fp8) of a head size up to 128 with grouped queries, or multi-head
+    queries whose grid fills the GPU unsplit (a wave of its CTAs or more, and no tail split: :func:`tail_parts`) and
+    whose bias is not ragged (the tile's copy of one head's bias per key cost more: B64 H16 d64 L2048 136.9 -> 140.3
+    us; split grids ran slower too: B8 H16 d64 L∈[4096, 131072] in 3 partitions 548 -> 712 us, the latency case 7.7
+    -> 8.3 us)."""
     if shape.dtype not in ("f16", "bf16") or shape.head_size not in _specs.DECODE_MMA_HEAD_SIZES:
         return False
-    if tuning.decode_kernel != "auto":
-        return tuning.decode_kernel == "tensor-cores"
+    if tuning.decode_kernel != "auto":  # (grouped queries over fp8 caches have no SIMT kernel here: fp8_simt_heads)
+        return tuning.decode_kernel == "tensor-cores" or (shape.kv_cache is not None and shape.group_size > 1)
     if shape.group_size >= _TENSOR_CORE_MIN_GROUP:
         return True
     if not (tuning.multi_head_tensor_cores and shape.bias != "ragged"):
@@ -303,7 +306,7 @@ def tensor_core_bias_mode(shape: DecodeShape, rows: int) -> str:
             staged = "dense-rows"
         elif shape.bias == "ragged" and strides[1] == 1 and strides[0] > 0 and strides[0] % 8 == 0:
             staged = "ragged-rows"
-    return staged if _specs.decode_bias_fits(staged, shape.head_size, rows) else shape.bias
+    return staged if _specs.decode_bias_fits(staged, shape.head_size, rows, shape.kv_cache is not None) else shape.bias
 
 
 def plan_decode(shape: DecodeShape, device: Device, tuning: _tuning.Tuning | None = None) -> DecodeLaunch:
@@ -327,7 +330,7 @@ def plan_decode(shape: DecodeShape, device: Device, tuning: _tuning.Tuning | Non
         tile = _specs.tile_keys(p.head_size, rows)
         tokens_per_part, parts = split_keys(ctas, window_keys(p, tile), num_sms, tile, resident=resident)
         spec = DecodeMmaSpec(p.dtype, p.head_size, p.kv_layout, tensor_core_bias_mode(p, rows), rows,
-                             p.score_options)
+                             p.score_options, p.kv_cache)
         # A combine of few partitions (one group) covers the rows that hold heads (the group's, where it is smaller
         # than a tile); of several, the whole tile (tile_combine in split_k.cuh).
         head_rows = min(rows, p.group_size) if _specs.combine_vec(parts) == 4 else rows
@@ -344,8 +347,8 @@ def plan_decode(shape: DecodeShape, device: Device, tuning: _tuning.Tuning | Non
     # (The kernels with the score options combine through decode_simt_combine: clusters of them would add 1,296
     # specialisations to the compile sweep for a path that saves microseconds on small split grids.)
     cluster = (t.cluster_combine and device.clusters and 1 < parts <= _specs.DECODE_CLUSTER_MAX_PARTS
-               and ctas * parts <= _CLUSTER_CTAS_PER_SM * num_sms and not p.score_options)
-    spec = DecodeSimtSpec(p.dtype, p.head_size, p.kv_layout, hg, p.bias, cluster, p.score_options)
+               and ctas * parts <= _CLUSTER_CTAS_PER_SM * num_sms and not p.score_options and not p.kv_cache)
+    spec = DecodeSimtSpec(p.dtype, p.head_size, p.kv_layout, hg, p.bias, cluster, p.score_options, p.kv_cache)
     smem = spec.smem_bytes
     if parts > 1 and not cluster:
         smem = occupancy_smem(smem, _SPLIT_CTAS_PER_SM, device)

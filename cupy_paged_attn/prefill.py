@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _checks, _compile, _device, _interop, _launch, _specs, planning, reference
+from . import _checks, _compile, _device, _interop, _launch, _specs, cache, planning, reference
 
 __all__ = ["paged_prefill_attention"]
 
@@ -194,7 +194,7 @@ def paged_prefill_attention(
             bias_arrays={k: v for k, v in arr.items() if k.startswith("attn_bias")},
             **{**options, **{name: arr[name] for name in scale_arrays}},
         )
-        _checks.check_kernel_support(problem.cache)
+        _checks.check_kernel_support(problem.cache, problem.dtype, "prefill")
         if validate:
             host = dataclasses.replace(
                 problem, seq_lens=reference.to_numpy(seq_lens), block_tables=reference.to_numpy(block_tables),
@@ -209,6 +209,8 @@ def paged_prefill_attention(
             )
         if problem.total_q == 0 or problem.num_seqs == 0:
             return _interop.finish(framework, result)
+        if problem.cache.fp8 is not None:  # the pages it reads, dequantized (kept with the problem until queued)
+            problem = cache.dequantize_pages(problem, framework, query, launch_stream, device)
         launch = planning.plan_prefill(problem.shape, _device.query(device))
         tile_info = _interop.empty(framework, (launch.num_tiles, 2), np.int32, query, launch_stream)[1]
         workspace = None

@@ -43,8 +43,13 @@ Tensor = torch.Tensor
 _NS = "cupy_paged_attn"
 _KV = "Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens"
 _T5 = "Tensor bias_table, Tensor bias_buckets, int num_buckets, int max_distance, bool bidirectional"
+# fp8 caches' options: the format, and each scale as a tensor (on the device: a CUDA graph reads its current value) or
+# as a number.
+_FP8 = ("str kv_cache_dtype=\"auto\", Tensor? k_scale=None, Tensor? v_scale=None, float? k_scale_value=None, "
+        "float? v_scale_value=None")
 _TAIL = ("Tensor? alibi_slopes, float? scale, str kv_layout, float? logits_soft_cap=None, "
-         "int? window_left=None")
+         f"int? window_left=None, {_FP8}")
+_TAIL_DEFAULTS = (None, None, "auto", None, None, None, None)  # what the dispatcher leaves out, from logits_soft_cap on
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -65,16 +70,25 @@ def _empty_like_query(query: Tensor) -> Tensor:
     return torch.empty(query.shape, dtype=query.dtype, device=query.device)
 
 
+def _options(tail: tuple[Any, ...]) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """``(alibi_slopes, scale, kv_layout, serving options)`` of the operators' common last arguments (``_TAIL``;
+    the dispatcher leaves out trailing ones that equal their defaults): each fp8 scale its tensor, else its number."""
+    alibi_slopes, scale, kv_layout, cap, window, kv_cache_dtype, k_scale, v_scale, k_value, v_value = (
+        *tail, *_TAIL_DEFAULTS[len(tail) - 3:])
+    return alibi_slopes, scale, kv_layout, {
+        "logits_soft_cap": cap, "window_left": window, "kv_cache_dtype": kv_cache_dtype,
+        "k_scale": _lib(k_scale) if k_scale is not None else k_value,
+        "v_scale": _lib(v_scale) if v_scale is not None else v_value}
+
+
 def _decode_into(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
                  bias: Any, *tail: Any) -> Tensor:
-    """The decode into a new output; ``tail``: the operators' common last arguments (``_TAIL``; the dispatcher
-    leaves out trailing ones that equal their defaults)."""
-    alibi_slopes, scale, kv_layout, logits_soft_cap, window_left = (*tail, None, None)[:5]
+    """The decode into a new output; ``tail``: the operators' common last arguments (:func:`_options`)."""
+    alibi_slopes, scale, kv_layout, options = _options(tail)
     out = _empty_like_query(query)
     _decode.paged_attention(
         _lib(query), _lib(key_cache), _lib(value_cache), _lib(block_tables), _lib(seq_lens), scale=scale,
-        attn_bias=bias, alibi_slopes=_lib(alibi_slopes), kv_layout=kv_layout, out=_lib(out),
-        logits_soft_cap=logits_soft_cap, window_left=window_left,
+        attn_bias=bias, alibi_slopes=_lib(alibi_slopes), kv_layout=kv_layout, out=_lib(out), **options,
     )
     return out
 
@@ -82,12 +96,12 @@ def _decode_into(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_ta
 def _prefill_into(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
                   query_start_loc: Tensor, causal: bool, bias: Any, *tail: Any) -> Tensor:
     """The prefill into a new output; ``tail`` as in :func:`_decode_into`."""
-    alibi_slopes, scale, kv_layout, logits_soft_cap, window_left = (*tail, None, None)[:5]
+    alibi_slopes, scale, kv_layout, options = _options(tail)
     out = _empty_like_query(query)
     _prefill.paged_prefill_attention(
         _lib(query), _lib(key_cache), _lib(value_cache), _lib(block_tables), _lib(seq_lens), _lib(query_start_loc),
         causal=causal, scale=scale, attn_bias=bias, alibi_slopes=_lib(alibi_slopes), kv_layout=kv_layout,
-        out=_lib(out), logits_soft_cap=logits_soft_cap, window_left=window_left,
+        out=_lib(out), **options,
     )
     return out
 
@@ -206,21 +220,26 @@ def _(query, *rest):
 @torch.library.custom_op(
     f"{_NS}::reshape_and_cache", mutates_args=("key_cache", "value_cache"), device_types="cuda",
     schema="(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, "
-           "str kv_layout) -> ()",
+           f"str kv_layout, {_FP8}) -> ()",
 )
 def _reshape_and_cache_op(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor,
-                          kv_layout: str) -> None:
-    _cache.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_layout=kv_layout)
+                          kv_layout: str, *fp8: Any) -> None:
+    options = _options((None, None, kv_layout, None, None, *fp8))[3]
+    _cache.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_layout=kv_layout,
+                             kv_cache_dtype=options["kv_cache_dtype"], k_scale=options["k_scale"],
+                             v_scale=options["v_scale"])
 
 
 @_reshape_and_cache_op.register_kernel("cpu")
-def _(key, value, key_cache, value_cache, slot_mapping, kv_layout):
+def _(key, value, key_cache, value_cache, slot_mapping, kv_layout, *fp8):
+    options = _options((None, None, kv_layout, None, None, *fp8))[3]
     _cache.reshape_and_cache(_host_view(key), _host_view(value), _host_view(key_cache), _host_view(value_cache),
-                             _host_view(slot_mapping), kv_layout=kv_layout)
+                             _host_view(slot_mapping), kv_layout=kv_layout, kv_cache_dtype=options["kv_cache_dtype"],
+                             k_scale=options["k_scale"], v_scale=options["v_scale"])
 
 
 @_reshape_and_cache_op.register_fake
-def _(key, value, key_cache, value_cache, slot_mapping, kv_layout):
+def _(key, value, key_cache, value_cache, slot_mapping, kv_layout, *fp8):
     return None
 
 
@@ -240,6 +259,9 @@ def paged_attention(
     kv_layout: str = "nhd",
     logits_soft_cap: float | None = None,
     window_left: int | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: Tensor | float | None = None,
+    v_scale: Tensor | float | None = None,
 ) -> Tensor:
     """:func:`cupy_paged_attn.paged_attention` as a torch operator: traceable by ``torch.compile(fullgraph=True)``.
 
@@ -264,6 +286,10 @@ def paged_attention(
         Gemma 2's soft-cap: a logit is ``c * tanh(scale * <q, k> / c)`` before the bias and ALiBi.
     window_left : int, optional
         A sliding window: the query at position ``p`` attends keys ``p - window_left ... p``.
+    kv_cache_dtype, k_scale, v_scale
+        fp8 caches, as in :func:`cupy_paged_attn.paged_attention`: caches of ``torch.float8_e4m3fn`` /
+        ``float8_e5m2`` (or uint8 with ``kv_cache_dtype``); a scale is a number or a float32 tensor ``[1]`` or
+        ``[num_kv_heads]`` (read by the kernel: a CUDA graph follows its value).
 
     Returns
     -------
@@ -276,7 +302,7 @@ def paged_attention(
         As :func:`cupy_paged_attn.paged_attention`, when the operator runs (a fake tensor is not checked).
     """
     args = (query, key_cache, value_cache, block_tables, seq_lens)
-    tail = (alibi_slopes, scale, kv_layout, logits_soft_cap, window_left)
+    tail = (alibi_slopes, scale, kv_layout, logits_soft_cap, window_left, *_fp8_args(kv_cache_dtype, k_scale, v_scale))
     if isinstance(attn_bias, RaggedBias):
         return torch.ops.cupy_paged_attn.paged_attention_ragged(
             *args, attn_bias.values, attn_bias.offsets, *tail)
@@ -301,6 +327,9 @@ def paged_prefill_attention(
     kv_layout: str = "nhd",
     logits_soft_cap: float | None = None,
     window_left: int | None = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: Tensor | float | None = None,
+    v_scale: Tensor | float | None = None,
 ) -> Tensor:
     """:func:`cupy_paged_attn.prefill.paged_prefill_attention` as a torch operator.
 
@@ -310,6 +339,7 @@ def paged_prefill_attention(
         The query rows of all sequences, packed; sequence ``s``'s rows are the last ``q_len`` of its
         ``seq_lens[s]`` keys.
     key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, kv_layout, logits_soft_cap
+    kv_cache_dtype, k_scale, v_scale
         As in :func:`paged_attention`.
     window_left : int, optional
         A sliding window: query row ``i`` at position ``p`` attends keys ``p - window_left`` on (through ``p`` when
@@ -328,7 +358,7 @@ def paged_prefill_attention(
         New, contiguous, of the query's dtype and device. Rows that belong to no sequence are left unwritten.
     """
     args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, causal)
-    tail = (alibi_slopes, scale, kv_layout, logits_soft_cap, window_left)
+    tail = (alibi_slopes, scale, kv_layout, logits_soft_cap, window_left, *_fp8_args(kv_cache_dtype, k_scale, v_scale))
     if isinstance(attn_bias, RaggedBias):
         raise NotImplementedError("attn_bias: RaggedBias is a decode bias; pass a dense tensor or a "
                                   "RelativePositionBias to prefill")
@@ -346,6 +376,9 @@ def reshape_and_cache(
     slot_mapping: Tensor,
     *,
     kv_layout: str = "nhd",
+    kv_cache_dtype: str = "auto",
+    k_scale: Tensor | float | None = None,
+    v_scale: Tensor | float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`cupy_paged_attn.reshape_and_cache` as a torch operator that mutates the caches (declared, so
     ``torch.compile`` orders it before the attention that reads them).
@@ -357,15 +390,30 @@ def reshape_and_cache(
         Written in place: token ``t`` goes to slot ``slot_mapping[t] = block * block_size + offset``.
     slot_mapping : Tensor ``[num_tokens]``, int32 or int64
         Negative slots are skipped.
-    kv_layout : {"nhd", "vllm"}
+    kv_layout : {"nhd", "vllm", "hnd"}
+    kv_cache_dtype, k_scale, v_scale
+        fp8 caches, as in :func:`cupy_paged_attn.reshape_and_cache` (stored: ``value / scale``, rounded to the
+        nearest, saturated).
 
     Returns
     -------
     (key_cache, value_cache)
         The arguments, written.
     """
-    torch.ops.cupy_paged_attn.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_layout)
+    torch.ops.cupy_paged_attn.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_layout,
+                                                *_fp8_args(kv_cache_dtype, k_scale, v_scale))
     return key_cache, value_cache
+
+
+def _fp8_args(kv_cache_dtype: str, k_scale: Tensor | float | None, v_scale: Tensor | float | None) -> tuple[Any, ...]:
+    """The operators' fp8 arguments (``_FP8``): the format, the scales given as tensors, those given as numbers."""
+    def tensor(x: Any) -> Tensor | None:
+        return x if isinstance(x, torch.Tensor) else None
+
+    def number(x: Any) -> float | None:
+        return None if x is None or isinstance(x, torch.Tensor) else float(x)
+
+    return kv_cache_dtype, tensor(k_scale), tensor(v_scale), number(k_scale), number(v_scale)
 
 
 def _t5_args(bias: RelativePositionBias) -> tuple[Any, ...]:

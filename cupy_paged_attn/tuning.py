@@ -37,7 +37,8 @@ class Tuning:
         queries, or multi-head queries whose grid fills the GPU unsplit (``multi_head_tensor_cores``); the rest on
         the SIMT kernel (float32 arithmetic on the CUDA cores). ``"tensor-cores"``: every problem the tensor-core
         kernel can take goes there, multi-head ones of any grid and bias too. ``"simt"``: every problem on the SIMT
-        kernel.
+        kernel, but grouped queries over fp8 caches up to head size 128 (the SIMT kernel of fp8 caches serves one
+        query head per CTA there).
     multi_head_tensor_cores : bool
         With ``"auto"``, multi-head problems (one query head per KV head) may run on the tensor cores.
     wgmma : bool

@@ -167,6 +167,163 @@ __device__ __forceinline__ void unpack<__nv_bfloat16>(const uint4& raw, float* f
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// fp8 KV caches: one byte per element, OCP's float8 e4m3fn (max 448, no infinities) or e5m2 (max 57344). A cache
+// element type of its own, so that a 16-byte vector holds 16 of them (vec_elems) and unpack() widens them.
+// unpack<Fp8*> gives each value divided by kv_unit<Fp8*>(), which the kernels fold into their scales: the e4m3
+// bits moved into a float16 read as value·2^-8 (exponent bias 7 against 15), where sm_89 and later convert exactly
+// (cvt.rn.f16x2.e4m3x2). e5m2 is the upper byte of a float16: a byte permute, exact (NaN and infinity included).
+// Without the conversion instruction, e4m3fn's NaN (0x7f, 0xff) reads as ±480 (reshape_and_cache never writes it).
+// ---------------------------------------------------------------------------------------------------------------
+struct Fp8E4M3 {
+  unsigned char bits;
+};
+struct Fp8E5M2 {
+  unsigned char bits;
+};
+
+// std::is_same without <type_traits> (NVRTC ships no standard library headers).
+template <typename A, typename B>
+struct SameType {
+  static constexpr bool value = false;
+};
+template <typename A>
+struct SameType<A, A> {
+  static constexpr bool value = true;
+};
+
+template <typename T>
+struct IsFp8 {
+  static constexpr bool value = false;
+};
+template <>
+struct IsFp8<Fp8E4M3> {
+  static constexpr bool value = true;
+};
+template <>
+struct IsFp8<Fp8E5M2> {
+  static constexpr bool value = true;
+};
+
+// Bytes 0, 1 (lo) and 2, 3 (hi) of w into the upper bytes of two float16 each: an e5m2 pair as float16 pairs.
+__device__ __forceinline__ void bytes_to_half_hi(unsigned w, unsigned& lo, unsigned& hi) {
+  lo = __byte_perm(w, 0u, 0x1404);
+  hi = __byte_perm(w, 0u, 0x3424);
+}
+
+// Four e4m3 values (the bytes of w) as two float16 pairs holding value·2^-8: sign kept, magnitude moved down one
+// bit into the float16's exponent and mantissa (exact, subnormals included). Portable; unpack uses it before sm_89.
+__device__ __forceinline__ void e4m3x4_to_scaled_half2x2(unsigned w, unsigned& lo, unsigned& hi) {
+  unsigned p, q;
+  bytes_to_half_hi(w, p, q);
+  lo = (p & 0x80008000u) | ((p >> 1) & 0x3f803f80u);
+  hi = (q & 0x80008000u) | ((q >> 1) & 0x3f803f80u);
+}
+
+// Four e4m3 values as two float16 pairs of value / kv_unit<Fp8E4M3>().
+__device__ __forceinline__ void e4m3x4_to_half2x2(unsigned w, unsigned& lo, unsigned& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, a;\n\tcvt.rn.f16x2.e4m3x2 %1, b;\n\t}"
+      : "=r"(lo), "=r"(hi) : "r"(w));
+#else
+  e4m3x4_to_scaled_half2x2(w, lo, hi);
+#endif
+}
+
+// What unpack<T> divides a cache value by (1 but for e4m3 without the conversion instruction).
+template <typename T>
+__host__ __device__ constexpr float kv_unit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+  if constexpr (SameType<T, Fp8E4M3>::value) return 256.0f;
+#endif
+  return 1.0f;
+}
+
+__device__ __forceinline__ void half2x2_to_float4(unsigned lo, unsigned hi, float* f) {
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+  f[0] = a.x;
+  f[1] = a.y;
+  f[2] = b.x;
+  f[3] = b.y;
+}
+
+template <>
+__device__ __forceinline__ void unpack<Fp8E4M3>(const uint4& raw, float* f) {
+  const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    unsigned lo, hi;
+    e4m3x4_to_half2x2(w[i], lo, hi);
+    half2x2_to_float4(lo, hi, f + 4 * i);
+  }
+}
+
+template <>
+__device__ __forceinline__ void unpack<Fp8E5M2>(const uint4& raw, float* f) {
+  const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    unsigned lo, hi;
+    bytes_to_half_hi(w[i], lo, hi);
+    half2x2_to_float4(lo, hi, f + 4 * i);
+  }
+}
+
+// Sixteen fp8 values (one 16-byte vector) as sixteen of T (float16 or bfloat16, which hold every fp8 value exactly),
+// each value / kv_unit<KV>(): elements 0-7 in lo, 8-15 in hi. The tensor-core decode converts its tiles with it.
+template <typename T, typename KV>
+__device__ __forceinline__ void fp8x16_to_16bit(const uint4& raw, uint4& lo, uint4& hi) {
+  const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+  unsigned h[8];  // float16 pairs
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (SameType<KV, Fp8E4M3>::value) {
+      e4m3x4_to_half2x2(w[i], h[2 * i], h[2 * i + 1]);
+    } else {
+      bytes_to_half_hi(w[i], h[2 * i], h[2 * i + 1]);
+    }
+  }
+  if constexpr (SameType<T, __nv_bfloat16>::value) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h[i]));
+      const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+      h[i] = *reinterpret_cast<const unsigned*>(&b);
+    }
+  }
+  lo = make_uint4(h[0], h[1], h[2], h[3]);
+  hi = make_uint4(h[4], h[5], h[6], h[7]);
+}
+
+// float -> fp8 bits, rounded to the nearest value (ties to even) and saturated to the format's largest finite value
+// (infinities included; NaN stays NaN): what reshape_and_cache stores. Integer arithmetic on the float's bits, the
+// same on every architecture. UNIT: the least normal value (2^-6, 2^-14); below it the steps are UNIT / 8 or / 4.
+template <typename F>
+__device__ __forceinline__ unsigned char fp8_from_float(float x) {
+  constexpr bool kE4M3 = SameType<F, Fp8E4M3>::value;
+  constexpr int kMantBits = kE4M3 ? 3 : 2;
+  constexpr unsigned kBias = kE4M3 ? 7u : 15u;
+  constexpr unsigned kMaxCode = kE4M3 ? 0x7eu : 0x7bu;  // 448, 57344
+  constexpr float kMax = kE4M3 ? 448.0f : 57344.0f;
+  constexpr float kLeastNormal = kE4M3 ? 0.015625f : 6.103515625e-05f;
+  constexpr float kSubnormalSteps = kE4M3 ? 512.0f : 65536.0f;  // 1 / the subnormal step
+  constexpr unsigned kNaN = kE4M3 ? 0x7fu : 0x7eu;  // e4m3fn's one NaN; e5m2's quiet NaN (float16's 0x7e00)
+  const unsigned sign = (__float_as_uint(x) >> 24) & 0x80u;
+  float a = fabsf(x);
+  if (a != a) return static_cast<unsigned char>(sign | kNaN);
+  a = fminf(a, kMax);
+  unsigned code;
+  if (a < kLeastNormal) {
+    code = static_cast<unsigned>(__float2int_rn(a * kSubnormalSteps));  // up to the least normal's code
+  } else {
+    constexpr int kDrop = 23 - kMantBits;
+    const unsigned u = __float_as_uint(a);
+    code = ((u + ((1u << (kDrop - 1)) - 1u) + ((u >> kDrop) & 1u)) >> kDrop) - ((127u - kBias) << kMantBits);
+  }
+  return static_cast<unsigned char>(sign | min(code, kMaxCode));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // Asynchronous copies global -> shared (sm_80+), 16 bytes each, cached in L2 only (or one int, cp_async4). A copy
 // with src_bytes = 0 reads nothing and writes zeros. Copies are grouped by commit(); wait<N>() returns once at most
 // N of this thread's groups are still in flight. Only the issuing thread may rely on its copies without a barrier.

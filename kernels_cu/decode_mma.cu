@@ -52,14 +52,15 @@ struct StagedBias {
 };
 
 // ---------------------------------------------------------------------------------------------------------------
-// The kernel. Template parameters: T (__half / __nv_bfloat16), HEAD, cache LAYOUT, Bias = NoBias, DenseBias,
+// The kernel. Template parameters: T (__half / __nv_bfloat16), KV (T, or an fp8 format: Fp8Stages), HEAD, cache
+// LAYOUT, Bias = NoBias, DenseBias,
 // RaggedBias, T5Bias, DenseRowsBias or RaggedRowsBias (bias.cuh), ROWS = 8 or 16. Run-time: page size (block_shift),
 // ALiBi, soft-cap, sliding window, bias dtype, split, longest first. The launch passes query_start_loc = tile_info =
 // null (one query row per sequence: cta_rows), q_limit 1 and causal 0.
 // ---------------------------------------------------------------------------------------------------------------
-template <typename T, int HEAD, KvLayout LAYOUT, typename Bias, int ROWS, bool SCORES>
-__global__ void __launch_bounds__(TileLayout<T, HEAD, ROWS, false, SCORES>::THREADS,
-                                  TileLayout<T, HEAD, ROWS, false, SCORES>::kCtasPerSm)
+template <typename T, typename KV, int HEAD, KvLayout LAYOUT, typename Bias, int ROWS, bool SCORES>
+__global__ void __launch_bounds__(TileLayout<T, HEAD, ROWS, false, SCORES, IsFp8<KV>::value>::THREADS,
+                                  TileLayout<T, HEAD, ROWS, false, SCORES, IsFp8<KV>::value>::kCtasPerSm)
 decode_mma(
     T* __restrict__ out, long long out_stride_t, long long out_stride_h,  // [num_seqs, num_heads, HEAD]
     float* __restrict__ part_acc,  // [num_parts, num_seqs, num_heads, HEAD], used when num_parts > 1
@@ -67,7 +68,7 @@ decode_mma(
     const T* __restrict__ query, long long q_stride_t, long long q_stride_h, int q_vec,  // [num_seqs, num_heads, HEAD]
     const int* __restrict__ query_start_loc, int total_q,  // null, num_seqs
     const int2* __restrict__ tile_info,                    // null
-    const T* __restrict__ key_cache, const T* __restrict__ value_cache, long long cache_block_stride,
+    const KV* __restrict__ key_cache, const KV* __restrict__ value_cache, long long cache_block_stride,
     int num_blocks, int block_shift, int num_kv_heads,
     const int* __restrict__ block_tables, long long block_table_stride,  // [num_seqs, max_blocks_per_seq]
     const int* __restrict__ seq_lens, int max_len, int q_limit,
@@ -76,9 +77,15 @@ decode_mma(
     const float* __restrict__ alibi_slopes,  // [num_heads] or null
     float scale, int group_size, int causal, int tokens_per_part, int num_parts,
     int longest_first,  // nonzero: the CTAs of row r take the r-th longest sequence (seq_of_rank)
-    float soft_cap, int window_left) {  // the score options (SCORES): soft_cap 0 none, window_left kNoWindow none
-  using L = TileLayout<T, HEAD, ROWS, false, SCORES>;
-  using Cache = PagedCache<T, HEAD, LAYOUT>;
+    float soft_cap, int window_left,  // the score options (SCORES): soft_cap 0 none, window_left kNoWindow none
+    // fp8 caches: a key element reads as stored·k_scale·k_scales[kvh·k_scale_stride] (k_scales null: 1), a value
+    // likewise (the stride 0 for one scale of all heads)
+    const float* __restrict__ k_scales, const float* __restrict__ v_scales, int k_scale_stride, int v_scale_stride,
+    float k_scale, float v_scale) {
+  constexpr bool kFp8 = IsFp8<KV>::value;
+  using L = TileLayout<T, HEAD, ROWS, false, SCORES, kFp8>;
+  using Cache = PagedCache<KV, HEAD, LAYOUT>;
+  using Stages = typename CopyStages<L, KV>::type;
   using Staged = StagedBias<L, Bias>;
   constexpr int TILE_N = L::TILE_N, KSTEPS = L::KSTEPS, NT_S = L::NT_S, NR = L::NR, NH = L::NH, EL = L::EL;
   constexpr int STAGES = L::STAGES, AHEAD = L::AHEAD, KEY_WARPS = L::KEY_WARPS;
@@ -90,8 +97,9 @@ decode_mma(
 
   extern __shared__ uint4 smem[];
   uint4* q_s = smem;                  // [ROWS][ROW]
-  uint4* kv_s = q_s + ROWS * L::ROW;  // [stage][K, V][TILE_N][ROW]
-  long long* page_s = reinterpret_cast<long long*>(kv_s + STAGES * 2 * TILE_N * L::ROW);  // [PAGE_BUFFERS][TILE_N]
+  uint4* kv_s = q_s + ROWS * L::ROW;  // [stage][K, V][TILE_N][ROW] (fp8: one stage, then Fp8Stages' stages)
+  uint4* f8_s = kv_s + 2 * TILE_N * L::ROW;  // (fp8 caches only)
+  long long* page_s = reinterpret_cast<long long*>(kv_s + L::KV_VECS);  // [PAGE_BUFFERS][TILE_N]
   float* far_s = reinterpret_cast<float*>(page_s + L::PAGE_BUFFERS * TILE_N);            // [2][ROWS]
 
   CtaRows cta = cta_rows(tile_info, query_start_loc, total_q, group_size, num_kv_heads, ROWS);
@@ -124,7 +132,7 @@ decode_mma(
     }
     // The ranking's lengths, then the row's first ids, live in the last K/V stage, which no copy writes before the
     // loop's first barrier (the prologue fills stages 0 ... AHEAD − 1).
-    int* lens_s = reinterpret_cast<int*>(kv_s + (STAGES - 1) * 2 * TILE_N * L::ROW);
+    int* lens_s = reinterpret_cast<int*>(kv_s + L::LAST_STAGE);
     int* ids_s = lens_s + kMaxLongestFirstSeqs + 4;
     static_assert(STAGES == AHEAD + 1 && (kMaxLongestFirstSeqs + 4 + (AHEAD + 1) * TILE_N) * 4 <=
                                              2 * TILE_N * L::ROW * kVecBytes, "room to rank in the last stage");
@@ -180,7 +188,7 @@ decode_mma(
   const int col_per = kT5 ? (bias_m > 0 ? 2 : 1) * static_cast<int>(bias_stride_2) : 0;  // buckets used
   const bool t5_tables = kT5 && G * col_per <= kT5Slots * L::THREADS && bias_n < kT5Slots * L::THREADS &&
                          G * bias_n <= kNearTable;
-  float* col_s = reinterpret_cast<float*>(kv_s + STAGES * 2 * TILE_N * L::ROW) - 2 * kT5Slots * L::THREADS;
+  float* col_s = reinterpret_cast<float*>(kv_s + L::LAST_STAGE + 2 * TILE_N * L::ROW) - 2 * kT5Slots * L::THREADS;
   int* idx_s = reinterpret_cast<int*>(col_s + kT5Slots * L::THREADS);
   unsigned col_bits[kT5Slots];
   int near_idx[kT5Slots];
@@ -198,7 +206,8 @@ decode_mma(
   load_q_tile(q_s, query, q_stride_t, q_stride_h, q_vec, c);
   TilePages<L, Cache> pages{page_s, table, first_ids, first_base, tid, c.loop_end, block_shift, block_mask,
                             num_blocks, kvh, cache_block_stride, cache};
-  TileCopies<L, Cache> copies{kv_s, page_s, nullptr, nullptr, cache, tid, kvh, block_mask, cache_block_stride};
+  TileCopies<L, Cache, Stages> copies{kFp8 ? f8_s : kv_s, page_s, nullptr, nullptr, cache, tid, kvh, block_mask,
+                                      cache_block_stride};
   copies.point_at(key_cache, value_cache);
 
   // ---- The staged bias (StagedBias): this thread's vectors tid + k·THREADS of each stage. Ragged: the CTA's heads'
@@ -348,7 +357,10 @@ decode_mma(
                                    ? L::q_index(c.row_warp * L::ROWS_W + c.lane % 16, 2 * kk + c.lane / 16)
                                    : (c.row_warp * L::ROWS_W + c.lane % 16) * L::ROW + 2 * kk + c.lane / 16]);
   }
-  const float scale2 = scale * kLog2e;
+  // With an fp8 cache the key's scale rides on the logits' scale, the value's on the accumulator (after the loop).
+  float key_mult = 1.0f;
+  if constexpr (kFp8) key_mult = k_scale * kv_unit<KV>() * (k_scales != nullptr ? k_scales[kvh * k_scale_stride] : 1.0f);
+  const float scale2 = scale * kLog2e * key_mult;
   const bool has_alibi = alibi_slopes != nullptr;
 
   for (int tile0 = 0; tile0 < c.num_tiles; tile0 += RING) {
@@ -364,6 +376,12 @@ decode_mma(
       const bool tile_ok = __syncthreads_and(copies.tile_ok(tile));
       copies.issue_tile(tile + AHEAD, c.num_tiles, c.kstart, stage_bias);
       if (tile + AHEAD + 1 < c.num_tiles) pages.load_id(false, t0 + (AHEAD + 1) * TILE_N);
+      int kv_st = st;  // the 16-bit stage the mmas read
+      if constexpr (kFp8) {
+        Fp8Stages<L, KV>::template convert<T>(f8_s, st, kv_s, tid);
+        __syncthreads();  // the converted tile is complete before any warp reads it
+        kv_st = 0;
+      }
 
       if (t0 + c.key0 < rows.warp_end) {  // (uniform over the warp)
         const bool need_mask = !(tile_ok && tile_unmasked<L>(rows, t0));
@@ -389,7 +407,7 @@ decode_mma(
         // ---- S = Q·Kᵀ: ROWS rows (16 with the zero rows) x the warp's KEYS_W keys.
         float sacc[1][NT_S][4];
         zero_fragments(sacc);
-        qk_mma<L, T>(sacc, qa, q_s, kv_s, st, c.row_warp, c.key0, c.lane);
+        qk_mma<L, T>(sacc, qa, q_s, kv_s, kv_st, c.row_warp, c.key0, c.lane);
 
         if (L::kScores && soft_cap > 0.0f) cap_logits<L>(sacc, SoftCap::make(soft_cap, scale2));  // raw products
         if constexpr (!Bias::enabled) {
@@ -442,7 +460,7 @@ decode_mma(
 #pragma unroll
           for (int dm = 0; dm < KSTEPS; ++dm) {
             unsigned a[4];  // columns 16dm + (0..7 | 8..15) x keys 16kk + (0..7 | 8..15), transposed
-            ldmatrix_x4_trans(a, L::v_vec(kv_s, st, c.key0 + kk * 16 + (c.lane / 16) * 8 + c.lane % 8,
+            ldmatrix_x4_trans(a, L::v_vec(kv_s, kv_st, c.key0 + kk * 16 + (c.lane / 16) * 8 + c.lane % 8,
                                           2 * dm + (c.lane / 8) % 2));
 #pragma unroll
             for (int nh = 0; nh < NH; ++nh) mma_16816<T>(acc[0][dm * NH + nh], a, b[nh][0], b[nh][1]);
@@ -455,6 +473,14 @@ decode_mma(
     }
   }
   cp_async_wait<0>();  // no copy may still be writing shared memory when the CTA combines in it
+  if constexpr (kFp8) {
+    const float value_mult =
+        v_scale * kv_unit<KV>() * (v_scales != nullptr ? v_scales[kvh * v_scale_stride] : 1.0f);
+#pragma unroll
+    for (int n = 0; n < ACC_N; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[0][n][e] *= value_mult;
+  }
 
   // ---- Epilogue. Every key is read: the split-K combine (a dependent launch) may be set up now, and its CTAs take
   // this grid's places as its CTAs exit, instead of being launched once the grid has ended (they wait for it in the

@@ -47,16 +47,21 @@ constexpr int kClusterMinCtas = 2;
 // vectors from shared memory: one broadcast serves all the heads of a group.
 // Copies: a tile is TILE tokens, at most kVecsPerThread·kDecodeThreads 16-byte vectors of K and as many of V
 // (16 KB per tile, whatever the shape); vector idx = tid + k·kDecodeThreads is token idx / NVEC, vector idx % NVEC.
+// KV is the caches' element type: the query's, or an fp8 format (16 elements a vector, up to kMaxDecodeTile tokens
+// a tile).
 // ---------------------------------------------------------------------------------------------------------------
-template <typename T, int HEAD, int HG>
+template <typename KV, int HEAD, int HG>
 struct DecodeLayout {
-  static constexpr int VEC = vec_elems<T>();
+  static constexpr int VEC = vec_elems<KV>();
   static constexpr int NVEC = HEAD / VEC;
-  static constexpr int TILE = pow2_floor(kVecsPerThread * kDecodeThreads / NVEC);
+  static constexpr int TILE = pow2_floor(kVecsPerThread * kDecodeThreads / NVEC) < kMaxDecodeTile
+                                  ? pow2_floor(kVecsPerThread * kDecodeThreads / NVEC) : kMaxDecodeTile;
   // Lanes per token: enough to cover head_size in one or two vectors each (two halves the shuffles of the dot
-  // product), while every thread still gets at least one token of a tile.
+  // product), while every thread still gets at least one token of a tile. Two vectors of fp8 would be 32 elements
+  // of query and accumulator per lane: one.
   static constexpr int TX_ONE = pow2_ceil(NVEC) < kWarpSize ? pow2_ceil(NVEC) : kWarpSize;
-  static constexpr int TX = TX_ONE >= 8 && TILE * TX_ONE * HG >= 2 * kDecodeThreads ? TX_ONE / 2 : TX_ONE;
+  static constexpr int TX =
+      TX_ONE >= 8 && VEC <= 8 && TILE * TX_ONE * HG >= 2 * kDecodeThreads ? TX_ONE / 2 : TX_ONE;
   static constexpr int VPL = (NVEC + TX - 1) / TX;
   static constexpr int TZ = kDecodeThreads / (TX * HG);
   static constexpr int TPT = TILE / TZ;            // tokens per thread per tile
@@ -84,7 +89,8 @@ struct DecodeLayout {
 };
 
 // ---------------------------------------------------------------------------------------------------------------
-// The attention kernel. Template parameters: storage dtype T, head size HEAD, cache LAYOUT, HG = query heads per
+// The attention kernel. Template parameters: storage dtype T (query, output), cache element type KV (T, or an fp8
+// format read as value·k_scale and value·v_scale), head size HEAD, cache LAYOUT, HG = query heads per
 // CTA (1, 2, 4 or 8), Bias = NoBias, DenseBias, RaggedBias or T5Bias (common.cuh), CLUSTER = the partitions are
 // combined in a thread block cluster (sm_90 and later; launched in clusters (1, 1, num_parts), num_parts at most
 // kMaxClusterParts). The page size is a run-time power of two (block_shift).
@@ -95,14 +101,14 @@ struct DecodeLayout {
 // constant in the unrolled stage loop), so no thread waits on a load before it needs the value. One barrier per
 // tile hands the stage over; the softmax needs none.
 // ---------------------------------------------------------------------------------------------------------------
-template <typename T, int HEAD, KvLayout LAYOUT, int HG, typename Bias, bool CLUSTER, bool SCORES>
-__global__ void __launch_bounds__(kDecodeThreads, CLUSTER ? kClusterMinCtas : DecodeLayout<T, HEAD, HG>::kMinCtas)
+template <typename T, typename KV, int HEAD, KvLayout LAYOUT, int HG, typename Bias, bool CLUSTER, bool SCORES>
+__global__ void __launch_bounds__(kDecodeThreads, CLUSTER ? kClusterMinCtas : DecodeLayout<KV, HEAD, HG>::kMinCtas)
 decode_simt(
     T* __restrict__ out, long long out_stride_s, long long out_stride_h,  // [num_seqs, num_heads, HEAD]
     float* __restrict__ part_acc,  // [num_seqs, num_heads, num_parts, HEAD], used when num_parts > 1 (no CLUSTER)
     float* __restrict__ part_ml,   // [num_seqs, num_heads, num_parts, 2] = (m, l), likewise
     const T* __restrict__ query, long long q_stride_s, long long q_stride_h,  // [num_seqs, num_heads, HEAD]
-    const T* __restrict__ key_cache, const T* __restrict__ value_cache, long long cache_block_stride,
+    const KV* __restrict__ key_cache, const KV* __restrict__ value_cache, long long cache_block_stride,
     int num_blocks, int block_shift, int num_kv_heads,
     const int* __restrict__ block_tables, long long block_table_stride,  // [num_seqs, max_blocks_per_seq]
     const int* __restrict__ seq_lens, int max_len,                        // [num_seqs]
@@ -111,9 +117,13 @@ decode_simt(
     const float* __restrict__ alibi_slopes,  // [num_heads] or null
     float scale, int group_size, int tokens_per_part, int num_parts,
     int longest_first,  // nonzero: CTA rows take the sequences longest first (seq_of_rank; unsplit grids only)
-    float soft_cap, int window_left) {  // the score options (SCORES): soft_cap 0 none, window_left kNoWindow none
-  using L = DecodeLayout<T, HEAD, HG>;
-  using Cache = PagedCache<T, HEAD, LAYOUT>;
+    float soft_cap, int window_left,  // the score options (SCORES): soft_cap 0 none, window_left kNoWindow none
+    // fp8 caches: a key element reads as stored·k_scale·k_scales[kvh·k_scale_stride] (k_scales null: 1), a value
+    // likewise (the stride 0 for one scale of all heads)
+    const float* __restrict__ k_scales, const float* __restrict__ v_scales, int k_scale_stride, int v_scale_stride,
+    float k_scale, float v_scale) {
+  using L = DecodeLayout<KV, HEAD, HG>;
+  using Cache = PagedCache<KV, HEAD, LAYOUT>;
   constexpr int VEC = L::VEC, NVEC = L::NVEC, TX = L::TX, VPL = L::VPL, TZ = L::TZ, TILE = L::TILE;
   constexpr int TPT = L::TPT, KPL = L::KPL, kAhead = kStages - 1;
   launch_dependents();  // the combine, or the next call's kernel, may start (it waits for this grid before reading)
@@ -208,8 +218,13 @@ decode_simt(
   const bool head_used = ty < nh;
   const int h = head0 + ty;
 
-  // This thread's head: scale·log2(e)·q and the alibi slope, in registers for the whole CTA.
-  const float scale2 = scale * kLog2e;
+  // This thread's head: scale·log2(e)·q and the alibi slope, in registers for the whole CTA. With an fp8 cache the
+  // key's scale is folded into q, the value's into the accumulator at the epilogue.
+  float key_mult = 1.0f;
+  if constexpr (IsFp8<KV>::value) {
+    key_mult = k_scale * kv_unit<KV>() * (k_scales != nullptr ? k_scales[kvh * k_scale_stride] : 1.0f);
+  }
+  const float scale2 = scale * kLog2e * key_mult;
   float q[VPL][VEC];
 #pragma unroll
   for (int v = 0; v < VPL; ++v)
@@ -386,7 +401,7 @@ decode_simt(
           const int c = tx + v * TX;
           if (c < NVEC) {
             float kf[VEC];
-            unpack<T>(*k_s(st, t, c), kf);
+            unpack<KV>(*k_s(st, t, c), kf);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) dot += q[v][e] * kf[e];
           }
@@ -444,7 +459,7 @@ decode_simt(
           const int c = tx + v * TX;
           if (c < NVEC) {
             float vf[VEC];
-            unpack<T>(*v_s(st, t, c), vf);  // zero-filled for a token that is no key
+            unpack<KV>(*v_s(st, t, c), vf);  // zero-filled for a token that is no key
 #pragma unroll
             for (int e = 0; e < VEC; ++e) acc[v][e] += p * vf[e];
           }
@@ -479,10 +494,14 @@ decode_simt(
   for (int z = 0; z < TZW; ++z) big_m = fmaxf(big_m, ml_s[(z * HG + ty) * 2]);
   const float w = m == -inf() ? 0.0f : fast_exp2(m - big_m);  // an empty slot (no key) weighs nothing
   float lw = w * l;
+  float acc_w = w;
+  if constexpr (IsFp8<KV>::value) {
+    acc_w *= v_scale * kv_unit<KV>() * (v_scales != nullptr ? v_scales[kvh * v_scale_stride] : 1.0f);
+  }
 #pragma unroll
   for (int v = 0; v < VPL; ++v)
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) acc[v][e] *= w;
+    for (int e = 0; e < VEC; ++e) acc[v][e] *= acc_w;
 #pragma unroll
   for (int o = kSlotLanes; o < kWarpSize; o *= 2) {
     lw += __shfl_xor_sync(0xffffffffu, lw, o);

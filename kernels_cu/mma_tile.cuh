@@ -61,16 +61,6 @@ constexpr int kWarpgroupThreads = 128;
 // its tile.
 __host__ __device__ constexpr bool wgmma_deferred(int head) { return head <= 64; }
 
-// std::is_same without <type_traits> (NVRTC ships no standard library headers).
-template <typename A, typename B>
-struct SameType {
-  static constexpr bool value = false;
-};
-template <typename A>
-struct SameType<A, A> {
-  static constexpr bool value = true;
-};
-
 // ---------------------------------------------------------------------------------------------------------------
 // Layout of one tensor-core specialisation (16-bit T). KEY_WARPS (DECODE_ROWS 0: 1, else 4) says how the 4 warps
 // share a tile:
@@ -120,11 +110,14 @@ __host__ __device__ constexpr int swizzled_row_vector(int row, int r, int c) {
   return r * row + ((c & ~7) | ((c ^ r) & 7));
 }
 
-template <typename T, int HEAD, int DECODE_ROWS, bool WG = false, bool SCORES = false>
+// FP8 (decode only): the caches hold fp8, whose tiles travel into STAGES stages of half the size and are converted,
+// a tile at a time, into one 16-bit stage that the mmas read (Fp8Stages).
+template <typename T, int HEAD, int DECODE_ROWS, bool WG = false, bool SCORES = false, bool FP8 = false>
 struct TileLayout {
   // The score options (logit soft-cap, sliding window) compiled in: without them a kernel never reads soft_cap and
   // window_left, and its code is that of a kernel without the options (they cost the head size 128 tilings spills).
   static constexpr bool kScores = SCORES;
+  static constexpr bool kFp8 = FP8;
   static constexpr bool kDecode = DECODE_ROWS > 0;
   static constexpr int KEY_WARPS = kDecode ? kDecodeKeyWarps : 1;  // warps that split a tile's keys
   static constexpr bool kWgmma = WG;  // the Hopper tiling (prefill_wgmma.cu)
@@ -175,9 +168,17 @@ struct TileLayout {
   // Decode has one query position per CTA: its T5 table is per distance (near_s, decode_mma.cu), not this one.
   static constexpr int REL_TABLE = kDecode ? 0 : kRelTableMax;
   // Shared memory, in bytes (tiling_smem_bytes; Hopper: 1024 more, to align Q_s and KV_s on the swizzle's period).
-  static constexpr int kKVBytes = STAGES * 2 * TILE_N * ROW * kVecBytes;
+  // With FP8 the K/V region is one 16-bit stage, then STAGES fp8 stages of 16-element vectors (Fp8Stages).
+  static constexpr int FP8_STAGE_VECS = 2 * TILE_N * (HEAD_P / 16);
+  static constexpr int KV_VECS = FP8 ? 2 * TILE_N * ROW + STAGES * FP8_STAGE_VECS : STAGES * 2 * TILE_N * ROW;
+  static constexpr int kKVBytes = KV_VECS * kVecBytes;
   static constexpr int kSmemBytes =
-      tiling_smem_bytes(ROWS, ROW, TILE_N, STAGES, PAGE_BUFFERS, REL_TABLE, WG ? 1024 : 0);
+      FP8 ? tiling_smem_bytes(ROWS, ROW, TILE_N, 1, PAGE_BUFFERS, REL_TABLE, 0) + STAGES * FP8_STAGE_VECS * kVecBytes
+          : tiling_smem_bytes(ROWS, ROW, TILE_N, STAGES, PAGE_BUFFERS, REL_TABLE, WG ? 1024 : 0);
+  // The last 16-bit stage ([2][TILE_N][ROW] vectors, from kv_s + LAST_STAGE): no copy writes it before the loop's
+  // first barrier (the prologue fills stages 0 ... AHEAD − 1; with FP8 the conversions write it from the first tile
+  // on), so the prologue may keep what it needs until then there.
+  static constexpr int LAST_STAGE = FP8 ? 0 : (STAGES - 1) * 2 * TILE_N * ROW;
   static_assert(sizeof(T) == 2, "the tensor-core kernels take float16 / bfloat16");
   static_assert(kCtasPerSm * (kSmemBytes + 1024) <= 227 * 1024, "the CTAs per SM fit in an H100/H200 SM");
   static_assert(!WG || (!kDecode && HEAD % 64 == 0 && (NT_S == 8 || NT_S == 16) && (NT_O == 8 || NT_O == 16) &&
@@ -188,6 +189,7 @@ struct TileLayout {
   static_assert(!kDecode || KEY_WARPS * ROWS * (HEAD_P + 6) * 4 <= kKVBytes, "the warps combine in the K/V stages");
   static_assert(!kDecode || (MT == 1 && (ROWS == 8 || ROWS == 16) && TILE_N == kDecodeTileKeys),
                 "decode: one m tile, kDecodeTileKeys keys");
+  static_assert(!FP8 || (kDecode && HEAD % 16 == 0), "fp8 caches: the decode tiling, whole 16-byte fp8 vectors");
 
   // Vector c of key t of K (V) in stage st of kv_s: padded rows, the decode tiling's swizzled rows, or the Hopper
   // tiling's swizzled blocks (wgmma.cuh); Q_s's row r, vector c likewise (q_index). (The padded index is written as
@@ -477,11 +479,11 @@ struct TilePages {
 // pointers once. issue() returns whether every key that this thread copied lies in the cache; issue_tile keeps that
 // per tile in ok_bits (bit u % 32: u's copies are issued AHEAD < 32 tiles before u is computed).
 // ---------------------------------------------------------------------------------------------------------------
-template <typename L, typename Cache>
+template <typename L, typename Cache, typename G = L>  // G: where the copies go (L's stages, or Fp8Stages<L>)
 struct TileCopies {
   using T = typename Cache::Elem;
   static constexpr int THREADS = L::THREADS;
-  static constexpr bool kColFixed = THREADS % L::NV == 0;
+  static constexpr bool kColFixed = THREADS % G::NV == 0;
   uint4* kv_s;
   const long long* page_s;
   const char* key_bytes;
@@ -492,13 +494,13 @@ struct TileCopies {
   unsigned ok_bits = ~0u;
 
   __device__ __forceinline__ bool slot_used(int k) const {
-    return L::kCopiesEven || k < L::COPIES - 1 || tid + k * THREADS < L::TILE_N * L::NV;
+    return G::kCopiesEven || k < G::COPIES - 1 || tid + k * THREADS < L::TILE_N * G::NV;
   }
   __device__ __forceinline__ int slot_col(int k) const {
-    return kColFixed ? tid % L::NV : (tid + k * THREADS) % L::NV;
+    return kColFixed ? tid % G::NV : (tid + k * THREADS) % G::NV;
   }
   __device__ __forceinline__ int slot_row(int k) const {
-    return kColFixed ? tid / L::NV + k * (THREADS / L::NV) : (tid + k * THREADS) / L::NV;
+    return kColFixed ? tid / G::NV + k * (THREADS / G::NV) : (tid + k * THREADS) / G::NV;
   }
   __device__ __forceinline__ void point_at(const T* key_cache, const T* value_cache) {
     const long long col_bytes =
@@ -510,23 +512,23 @@ struct TileCopies {
     const long long* pages = page_s + (u % L::PAGE_BUFFERS) * L::TILE_N;
     bool all_ok = true;
 #pragma unroll
-    for (int k = 0; k < L::COPIES; ++k) {
+    for (int k = 0; k < G::COPIES; ++k) {
       if (!slot_used(k)) continue;
       const int t = slot_row(k);
       const int c = slot_col(k);
       const long long page = pages[t];
-      const bool copy = page >= 0 && c < L::NV_REAL;
+      const bool copy = page >= 0 && c < G::NV_REAL;
       all_ok = all_ok && page != -1;
       const long long col = kColFixed ? 0 : static_cast<long long>(c) * cache.vector_stride() * sizeof(T);
       const long long at = copy ? page + col : 0;
-      cp_async16(L::k_vec(kv_s, st, t, c), key_bytes + at, copy ? kVecBytes : 0);
+      cp_async16(G::k_vec(kv_s, st, t, c), key_bytes + at, copy ? kVecBytes : 0);
       if constexpr (Cache::kValueIsVector) {
-        cp_async16(L::v_vec(kv_s, st, t, c), value_bytes + at, copy ? kVecBytes : 0);
+        cp_async16(G::v_vec(kv_s, st, t, c), value_bytes + at, copy ? kVecBytes : 0);
       } else {
         const int off = (t0 + t) & block_mask;
         const long long blk =
             copy ? (page / static_cast<long long>(sizeof(T)) - cache.page_offset(off, kvh, 0)) / cache_block_stride : 0;
-        *L::v_vec(kv_s, st, t, c) = copy ? cache.gather_value(blk, off, kvh, c) : make_uint4(0u, 0u, 0u, 0u);
+        *G::v_vec(kv_s, st, t, c) = copy ? cache.gather_value(blk, off, kvh, c) : make_uint4(0u, 0u, 0u, 0u);
       }
     }
     cp_async_commit();
@@ -550,10 +552,60 @@ struct TileCopies {
   __device__ __forceinline__ unsigned tile_ok(int u) const { return (ok_bits >> (u % 32)) & 1u; }
 };
 
+// fp8 caches in the decode tiling (TileLayout FP8): tile u's K and V travel into stage u % STAGES of f8_s,
+// [STAGES][K, V][TILE_N][NV] vectors of 16 fp8 values (the copies' G), and the whole CTA converts a tile once, after
+// the barrier that makes its copies visible, into the one 16-bit stage of kv_s that the mmas read (then a second
+// barrier): each value is read from global memory once, at half the bytes, and converted once for all the CTA's
+// query heads.
+template <typename L, typename KV>
+struct Fp8Stages {
+  static constexpr int NV = L::HEAD_P / 16;   // 16-byte vectors of a key's fp8 row
+  static constexpr int NV_REAL = L::NV_REAL / 2;  // (fp8 head sizes are multiples of 16)
+  static constexpr int COPIES = (L::TILE_N * NV + L::THREADS - 1) / L::THREADS;
+  static constexpr bool kCopiesEven = L::TILE_N * NV % L::THREADS == 0;
+  static constexpr int STAGE_VECS = L::FP8_STAGE_VECS;
+  static_assert(STAGE_VECS == 2 * L::TILE_N * NV, "the layout's fp8 stage");
+  static __device__ __forceinline__ uint4* k_vec(uint4* f8_s, int st, int t, int c) {
+    return &f8_s[(st * 2 * L::TILE_N + t) * NV + c];
+  }
+  static __device__ __forceinline__ uint4* v_vec(uint4* f8_s, int st, int t, int c) {
+    return &f8_s[((st * 2 + 1) * L::TILE_N + t) * NV + c];
+  }
+  // Stage st's tile as T into stage 0 of kv_s (value / kv_unit<KV>()): fp8 vector c is 16-bit vectors 2c, 2c + 1.
+  template <typename T>
+  static __device__ __forceinline__ void convert(const uint4* f8_s, int st, uint4* kv_s, int tid) {
+#pragma unroll
+    for (int idx = tid; idx < STAGE_VECS; idx += L::THREADS) {
+      const int half = L::TILE_N * NV;
+      const int t = idx % half / NV;
+      const int c = idx % NV;
+      uint4 lo, hi;
+      fp8x16_to_16bit<T, KV>(f8_s[st * STAGE_VECS + idx], lo, hi);
+      if (idx < half) {
+        *L::k_vec(kv_s, 0, t, 2 * c) = lo;
+        *L::k_vec(kv_s, 0, t, 2 * c + 1) = hi;
+      } else {
+        *L::v_vec(kv_s, 0, t, 2 * c) = lo;
+        *L::v_vec(kv_s, 0, t, 2 * c + 1) = hi;
+      }
+    }
+  }
+};
+
+// The copies' destination of a tiling: its own stages, or with fp8 caches Fp8Stages.
+template <typename L, typename KV, bool FP8 = L::kFp8>
+struct CopyStages {
+  using type = L;
+};
+template <typename L, typename KV>
+struct CopyStages<L, KV, true> {
+  using type = Fp8Stages<L, KV>;
+};
+
 // The pipeline's start: the page offsets of tiles 0 ... AHEAD, then the copies of tiles 0 ... AHEAD − 1 (each after
 // extra(st, t0)'s, as issue_tile). Uniform over the CTA (num_tiles is): every thread reaches the barrier or none.
-template <typename L, typename Cache, typename Extra>
-__device__ __forceinline__ void start_tiles(TilePages<L, Cache>& pages, TileCopies<L, Cache>& copies, int num_tiles,
+template <typename L, typename Cache, typename G, typename Extra>
+__device__ __forceinline__ void start_tiles(TilePages<L, Cache>& pages, TileCopies<L, Cache, G>& copies, int num_tiles,
                                             int kstart, Extra&& extra) {
   if (num_tiles > 0) {
 #pragma unroll

@@ -158,3 +158,39 @@ def test_errors_at_trace_time(rng):
         jax.jit(cpj.paged_attention).lower(*args[:3], args[3].astype(jnp.float32), args[4])
     with pytest.raises(ValueError, match="slot_mapping"):
         cpj.reshape_and_cache(args[1][0], args[1][0], args[1], args[2], jnp.zeros(3, jnp.int32))
+
+
+def test_fp8_caches_under_jit(device, rng):
+    """float8 caches (bitcast to uint8 on their way to the kernels) with a scale array and a static number: decode,
+    prefill and the cache write, which returns float8 caches."""
+    from helpers import dense_attention
+
+    from cupy_paged_attn.reference import fp8_quantize
+
+    scale = np.float32([0.05, 0.2])
+    p = make_problem(rng, SEQ_LENS, num_heads=8, num_kv_heads=2, head_size=64, dtype="bf16", bias="dense")
+    k8, v8 = (fp8_quantize(c.astype(np.float32), scale) for c in (p.key_cache, p.value_cache))
+    p.dense_k = [fp8_quantize(k, scale).astype(np.float64) * scale[:, None] for k in p.dense_k]
+    p.dense_v = [fp8_quantize(v, scale).astype(np.float64) * scale[:, None] for v in p.dense_v]
+    args, kwargs = decode_args(p, device)
+    args[1], args[2] = put(device, k8), put(device, v8)
+    run = jax.jit(lambda *a, s: cpj.paged_attention(*a, **kwargs, k_scale=s, v_scale=s))
+    assert_close(to_numpy(run(*args, s=put(device, scale))), dense_attention(p), "bf16", "decode")
+
+    pp = make_prefill_problem(rng, PREFILL_SEQS, num_heads=4, num_kv_heads=2, head_size=64, dtype="f16")
+    pk8, pv8 = (fp8_quantize(c.astype(np.float32), 0.25, "fp8_e5m2") for c in (pp.key_cache, pp.value_cache))
+    pargs = [put(device, a) for a in (pp.query, pk8, pv8, *pp.args()[3:])]
+    out = jax.jit(lambda *a: cpj.paged_prefill_attention(*a, k_scale=0.25, v_scale=0.25))(*pargs)
+    expected = paged_prefill_attention_ref(pp.query, pk8, pv8, *pp.args()[3:], k_scale=0.25, v_scale=0.25)
+    assert_close(to_numpy(out), expected, "f16", "prefill")
+
+    key = rng.standard_normal((5, 2, 64)).astype(np.float32)
+    slots = np.int32([3, 17, -1, 40, 63])
+    empty = np.zeros((4, 16, 2, 64), np.float32).astype(k8.dtype)
+    k_out, v_out = jax.jit(lambda *a: cpj.reshape_and_cache(*a, k_scale=put(device, scale), v_scale=0.5))(
+        *(put(device, a) for a in (key, key * 2, empty, empty, slots)))
+    want_k, want_v = reshape_and_cache_ref(key, key * 2, empty.copy(), empty.copy(), slots, k_scale=scale,
+                                           v_scale=0.5)
+    assert k_out.dtype == empty.dtype
+    np.testing.assert_array_equal(np.asarray(k_out).view(np.uint8), want_k.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(v_out).view(np.uint8), want_v.view(np.uint8))

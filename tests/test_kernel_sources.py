@@ -12,13 +12,14 @@ import itertools
 
 import pytest
 
-from cupy_paged_attn import _compile, _specs, planning
+from cupy_paged_attn import _compile, _specs, planning, tuning
 
 ARCHS = ["sm_80", "sm_90"]
-#: Where the sweep compiles the kernels with the score options. Their code differs from the kernels without them by
-#: architecture-independent lines, and their representatives compile for every architecture in the default run; one
-#: architecture keeps the sweep within CI's time.
-SCORES_ARCHS = ["sm_90"]
+#: Where the sweep compiles the kernels with the score options and those of fp8 caches. Their code differs from the
+#: other kernels by architecture-independent lines (the fp8 conversion's two forms are in every family's
+#: representatives), and their representatives compile for every architecture in the default run; one architecture
+#: keeps the sweep within CI's time.
+OPTION_ARCHS = ["sm_90"]
 
 #: One specialisation of each family, every bias mode of it (bf16, head size 128: the common serving shape).
 REPRESENTATIVES = {
@@ -39,6 +40,17 @@ REPRESENTATIVES = {
     "prefill_mma_scores": [_specs.PrefillSpec("f16", 64, "vllm", "dense", scores=True),
                            _specs.PrefillSpec("f32", 128, "nhd", "none", scores=True)],
     "prefill_wgmma_scores": [_specs.PrefillSpec("bf16", 128, "nhd", "t5", wgmma=True, scores=True)],
+    # fp8 caches
+    "decode_simt_fp8": [_specs.DecodeSimtSpec("bf16", 128, "nhd", 1, "none", kv_cache="fp8_e4m3"),
+                        _specs.DecodeSimtSpec("f16", 192, "vllm", 4, "t5", scores=True, kv_cache="fp8_e5m2"),
+                        _specs.DecodeSimtSpec("bf16", 32, "hnd", 1, "ragged", kv_cache="fp8_e4m3")],
+    "decode_mma_fp8": [_specs.DecodeMmaSpec("bf16", 128, "nhd", "dense-rows", 8, kv_cache="fp8_e4m3"),
+                       _specs.DecodeMmaSpec("f16", 64, "vllm", "t5", 16, scores=True, kv_cache="fp8_e5m2"),
+                       _specs.DecodeMmaSpec("bf16", 80, "hnd", "ragged-rows", 8, kv_cache="fp8_e4m3")],
+    "cache_write_fp8": [_specs.CacheWriteSpec("bf16", "vllm", "i64", "fp8_e4m3"),
+                        _specs.CacheWriteSpec("f32", "nhd", "i32", "fp8_e5m2")],
+    "cache_dequantize": [_specs.CacheDequantizeSpec("bf16", "fp8_e4m3", 128, "vllm"),
+                         _specs.CacheDequantizeSpec("f32", "fp8_e5m2", 80, "hnd")],
 }
 
 
@@ -61,16 +73,23 @@ def test_each_kernel_family_compiles(family, arch):
     _compile_all(specs, arch)
 
 
+def _one_arch(spec) -> bool:
+    """Whether the sweep compiles ``spec`` on OPTION_ARCHS only: kernels with the score options or of fp8 caches."""
+    return getattr(spec, "scores", False) or getattr(spec, "kv_cache", None) is not None
+
+
 def _sweep_groups() -> list[tuple[str, str, list]]:
-    """Every specialisation, grouped into programs of one source, dtype, layout, target architecture, score options
-    and combine (the SIMT decode's cluster kernels apart: groups of similar size share two workers evenly)."""
+    """Every specialisation, grouped into programs of one source, dtype, layout, target architecture, fp8 format,
+    score options and combine (the SIMT decode's cluster kernels apart: groups of similar size share two workers
+    evenly)."""
     groups: dict[tuple[str, str, str, str, str, str], list] = {}
     for spec in _specs.all_specs():
         for arch in ARCHS:
             target = spec.offline_arch(arch)
-            scores = getattr(spec, "scores", False)
-            if target is not None and (not scores or arch in SCORES_ARCHS):
-                kind = "-cluster" if getattr(spec, "cluster", False) else "-scores" if scores else ""
+            if target is not None and (not _one_arch(spec) or arch in OPTION_ARCHS):
+                kind = ("-cluster" if getattr(spec, "cluster", False) else "") + \
+                       (f"-{kv}" if (kv := getattr(spec, "kv_cache", None)) else "") + \
+                       ("-scores" if getattr(spec, "scores", False) else "")
                 groups.setdefault((spec.source, spec.dtype, spec.layout, target, kind, arch), []).append(spec)
     return [(f"{src}-{dt}-{lay}-{target}{kind}", arch, specs)
             for (src, dt, lay, target, kind, arch), specs in sorted(groups.items())]
@@ -83,21 +102,25 @@ def test_every_specialisation_compiles(group, arch, specs):
 
 
 def test_the_sweep_covers_every_specialisation_once():
-    """The library launches 5,436 specialisations; the sweep compiles each on every architecture it is built for
+    """The library launches 8,688 specialisations; the sweep compiles each on every architecture it is built for
     (clusters need sm_90, the Hopper tiling sm_90a, and the rest builds for both sm_80 and sm_90), those with the
-    score options on SCORES_ARCHS only."""
+    score options or of fp8 caches on OPTION_ARCHS only."""
     specs = _specs.all_specs()
     assert len(specs) == len(set(specs)) == len({s.key for s in specs})
     swept = [(arch, s) for _, arch, group in _sweep_groups() for s in group]
     assert all(s.offline_arch(arch) is not None for arch, s in swept), "a sweep group names an architecture it skips"
     assert len(swept) == len(set(swept)) == sum(s.offline_arch(a) is not None for s in specs for a in ARCHS
-                                                 if not getattr(s, "scores", False) or a in SCORES_ARCHS)
-    counts = {kind: sum(isinstance(s, kind) for s in specs) for kind in (_specs.DecodeSimtSpec, _specs.DecodeMmaSpec,
-                                                                          _specs.PrefillSpec, _specs.CacheWriteSpec)}
-    # (each attention kernel with and without the score options; the SIMT decode's cluster kernels without them)
-    assert counts == {_specs.DecodeSimtSpec: 3 * 3 * 9 * 3 * 4 * 4,
-                      _specs.DecodeMmaSpec: 2 * 2 * (2 * 7 * 3 * 6 - 3),
-                      _specs.PrefillSpec: 2 * (3 * 9 * 3 * 3 + 2 * 2 * 3 * 2), _specs.CacheWriteSpec: 18}
+                                                 if not _one_arch(s) or a in OPTION_ARCHS)
+    counts = {kind: sum(isinstance(s, kind) for s in specs) for kind in (
+        _specs.DecodeSimtSpec, _specs.DecodeMmaSpec, _specs.PrefillSpec, _specs.CacheWriteSpec,
+        _specs.CacheDequantizeSpec)}
+    # (each attention kernel with and without the score options; the SIMT decode's cluster kernels without them; the
+    # decode kernels of fp8 caches with 16-bit queries and head sizes that are multiples of 16, the SIMT one without
+    # clusters and with one query head per CTA up to head size 128; every staged bias fits beside fp8 stages)
+    assert counts == {_specs.DecodeSimtSpec: 3 * 3 * 9 * 3 * 4 * 4 + 2 * 2 * 2 * 3 * 4 * (6 * 1 + 2 * 4),
+                      _specs.DecodeMmaSpec: 2 * 2 * (2 * 7 * 3 * 6 - 3) + 2 * 2 * 2 * 2 * 6 * 3 * 6,
+                      _specs.PrefillSpec: 2 * (3 * 9 * 3 * 3 + 2 * 2 * 3 * 2), _specs.CacheWriteSpec: 3 * 18,
+                      _specs.CacheDequantizeSpec: 2 * 3 * 8 * 3}
 
 
 def test_sources_inline_their_headers_once():
@@ -112,14 +135,20 @@ def test_keys_and_name_expressions_are_readable():
     spec = _specs.DecodeSimtSpec("bf16", 128, "nhd", 4, "t5")
     assert spec.key == "decode_simt_bf16_d128_nhd_g4_bias-t5"
     assert spec.name_expressions() == (
-        "cpa::decode_simt<__nv_bfloat16, 128, cpa::KvLayout::kNHD, 4, cpa::T5Bias, false, false>",
+        "cpa::decode_simt<__nv_bfloat16, __nv_bfloat16, 128, cpa::KvLayout::kNHD, 4, cpa::T5Bias, false, false>",
         "cpa::decode_simt_combine<__nv_bfloat16, 128>")
+    fp8 = _specs.DecodeSimtSpec("f16", 64, "hnd", 2, "none", kv_cache="fp8_e4m3")
+    assert fp8.key == "decode_simt_f16_kv-fp8_e4m3_d64_hnd_g2_bias-none"
+    assert fp8.name_expressions()[0] == \
+        "cpa::decode_simt<__half, cpa::Fp8E4M3, 64, cpa::KvLayout::kHND, 2, cpa::NoBias, false, false>"
+    assert _specs.CacheWriteSpec("bf16", "vllm", "i32", "fp8_e5m2").name_expressions() == (
+        "cpa::reshape_and_cache<__nv_bfloat16, cpa::Fp8E5M2, cpa::CacheLayout::kVLLM, int>",)
     assert _specs.DecodeSimtSpec("f16", 64, "vllm", 1, "dense", cluster=True).key == \
         "decode_simt_f16_d64_vllm_g1_bias-dense_cluster"
     mma = _specs.DecodeMmaSpec("f16", 64, "vllm", "ragged-rows", 16)
     assert mma.key == "decode_mma_f16_d64_vllm_r16_bias-ragged-rows"
     assert mma.name_expressions() == (
-        "cpa::decode_mma<__half, 64, cpa::KvLayout::kVLLM, cpa::RaggedRowsBias, 16, false>",
+        "cpa::decode_mma<__half, __half, 64, cpa::KvLayout::kVLLM, cpa::RaggedRowsBias, 16, false>",
         "cpa::tile_combine<__half, 64, 16>")
     prefill = _specs.PrefillSpec("bf16", 256, "nhd", "dense")
     assert prefill.key == "prefill_mma_bf16_d256_nhd_bias-dense"
@@ -132,7 +161,7 @@ def test_keys_and_name_expressions_are_readable():
     scored = _specs.DecodeMmaSpec("bf16", 64, "hnd", "none", 8, scores=True)
     assert scored.key == "decode_mma_bf16_d64_hnd_r8_bias-none_scores"
     assert scored.name_expressions()[0] == \
-        "cpa::decode_mma<__nv_bfloat16, 64, cpa::KvLayout::kHND, cpa::NoBias, 8, true>"
+        "cpa::decode_mma<__nv_bfloat16, __nv_bfloat16, 64, cpa::KvLayout::kHND, cpa::NoBias, 8, true>"
     assert _specs.CacheWriteSpec("f16", "vllm", "i64").key == "cache_write_f16_vllm_slot-i64"
 
 
@@ -169,6 +198,10 @@ def _tile_mirrors() -> list[str]:
             checks += [f"static_assert({layout}::kCtasPerSm == {_specs.decode_ctas_per_sm(d, rows)}, "
                        f"\"ctas d{d} rows{rows}\");",
                        f"static_assert({layout}::STAGES == {_specs.decode_stages(d, rows)}, \"stages d{d} {rows}\");"]
+        if rows and d in _specs.FP8_HEAD_SIZES:  # the decode tiling over fp8 caches
+            fp8 = f"cpa::TileLayout<{t[dt]}, {d}, {rows}, false, false, true>"
+            checks += [f"static_assert({fp8}::kSmemBytes == {_specs.tile_smem_bytes(dt, d, rows, fp8=True)}, "
+                       f"\"fp8 smem {dt} d{d} rows{rows}\");"]
     checks += [f"static_assert(cpa::kRelTableMax == {_specs.REL_TABLE}, \"t5 table\");",
                f"static_assert(cpa::kCombineThreads == {_specs.COMBINE_THREADS}, \"combine\");",
                f"static_assert(cpa::kCombineBatch == {_specs.COMBINE_BATCH}, \"combine batch\");",
@@ -239,3 +272,12 @@ def test_planning_names_only_specialisations_that_exist():
                 prefill = planning.PrefillShape(num_seqs, heads[0], heads[1], d, max_len, dt, layout, bias,
                                                 bias_dtype=dt, t5_max_distance=128, total_q=num_seqs * 300)
                 assert planning.plan_prefill(prefill, device).spec in known
+    # fp8 caches (16-bit queries, head sizes that are multiples of 16), under every decode_kernel switch
+    for kernel, fmt, dt, d, heads, bias, options in itertools.product(
+            ("auto", "simt", "tensor-cores"), _specs.FP8_TYPES, ("f16", "bf16"), _specs.FP8_HEAD_SIZES,
+            ((16, 16), (32, 8), (40, 2), (8, 1)), ("none", "dense", "ragged", "t5"),
+            ({}, {"soft_cap": True}, {"window_left": 100})):
+        for num_seqs, max_len in ((1, 1024), (64, 2048), (256, 65536)):
+            shape = planning.DecodeShape(num_seqs, heads[0], heads[1], d, max_len, dt, "nhd", bias, bias_dtype=dt,
+                                         kv_cache=fmt, **options)
+            assert planning.plan_decode(shape, device, tuning.Tuning(decode_kernel=kernel)).spec in known

@@ -272,11 +272,15 @@ def test_tensor_core_decode_bias_mode(rng, bias, bias_dtype, mode):
 
 def test_staged_bias_only_where_it_fits():
     """A bias kind whose stages would not fit beside the CTAs per SM falls back to element-by-element loads: head
-    size 80 at 8 rows (three CTAs of 71 KB each) has no "ragged-rows" specialisation; 128 has."""
+    size 80 at 8 rows (three CTAs of 71 KB each) has no "ragged-rows" specialisation; 128 has; over fp8 caches (K/V
+    stages of half the bytes) 80 has too."""
     for head_size, rows, mode in ((128, 8, "ragged-rows"), (80, 16, "ragged-rows"), (80, 8, "ragged")):
         shape = decode_shape(2, (32, 8), head_size, 64, bias="ragged")
         assert planning.tensor_core_bias_mode(shape, rows) == mode
-    assert all(s.bias != "ragged-rows" or (s.head_size, s.rows) != (80, 8) for s in _specs.decode_mma_specs())
+    fp8 = decode_shape(2, (32, 8), 80, 64, bias="ragged", kv_cache="fp8_e4m3")
+    assert planning.tensor_core_bias_mode(fp8, 8) == "ragged-rows"
+    assert all(s.bias != "ragged-rows" or (s.head_size, s.rows, s.kv_cache) != (80, 8, None)
+               for s in _specs.decode_mma_specs())
 
 
 def prefill_shape(q_lens: list[int], max_len: int, head_size: int, dtype: str, heads: tuple[int, int] = (8, 2),
@@ -431,3 +435,47 @@ def test_score_options_pick_their_kernels(head_size):
             prefill = planning.PrefillShape(**dataclasses.asdict(base), total_q=512, causal=True)
             launch = planning.plan_prefill(dataclasses.replace(prefill, **fields), H200, DEFAULT)
             assert launch.spec.scores is scored
+
+
+@pytest.mark.parametrize(("heads", "head_size", "num_seqs", "kernel", "tensor_cores", "heads_per_cta"), [
+    ((32, 8), 128, 8, "auto", True, None),
+    ((32, 8), 128, 8, "simt", True, None),     # no SIMT kernel of fp8 caches with grouped queries up to 128
+    ((16, 16), 64, 2, "auto", False, 1),       # a small multi-head grid: the SIMT decode, one head per CTA
+    ((16, 16), 64, 64, "auto", True, None),    # one that fills the GPU: the tensor cores
+    ((16, 4), 192, 8, "auto", False, 4),       # past head size 128: the SIMT decode with the group
+])
+def test_fp8_decode_planning(heads, head_size, num_seqs, kernel, tensor_cores, heads_per_cta):
+    shape = decode_shape(num_seqs, heads, head_size, 4096, kv_cache="fp8_e5m2")
+    launch = planning.plan_decode(shape, planning.Device.h200(), tuning.Tuning(decode_kernel=kernel))
+    assert launch.tensor_cores == tensor_cores and launch.spec.kv_cache == "fp8_e5m2"
+    assert launch.spec in set(_specs.all_specs())
+    if heads_per_cta is not None:
+        assert launch.spec.heads_per_cta == heads_per_cta and not launch.cluster
+    else:  # fp8 stages of half the bytes and one 16-bit stage: no more shared memory than the 16-bit tiling
+        assert launch.shared_mem <= dataclasses.replace(launch.spec, kv_cache=None).smem_bytes
+
+
+def test_fp8_scale_arguments():
+    """The kernels' fp8 scale parameters: addresses of the arrays, a stride of 0 for one scale and 1 per KV head, the
+    numbers (1.0 where an array holds the scale)."""
+    from cupy_paged_attn import _launch
+
+    args = dict(_launch.kv_scale_args(_checks.KvScale(0.5), _checks.KvScale(array=np.ones(4, np.float32)),
+                                      {"v_scale": 4096}))
+    assert args == {"k_scales": 0, "v_scales": 4096, "k_scale.stride": 0, "v_scale.stride": 1, "k_scale": 0.5,
+                    "v_scale": 1.0}
+    one = dict(_launch.kv_scale_args(_checks.KvScale(array=np.ones(1, np.float32)), None, {"k_scale": 64}))
+    assert one["k_scales"] == 64 and one["k_scale.stride"] == 0 and one["v_scale"] == 1.0
+
+
+@pytest.mark.parametrize(("dtype", "head_size", "kernel", "message"), [
+    ("f32", 64, "decode", r"query: an fp8 cache \(fp8_e4m3\) with a float32 query"),
+    ("bf16", 120, "decode", r"head_size: an fp8 cache on the GPU takes head sizes"),
+    ("f16", 120, "prefill", r"head_size: an fp8 cache on the GPU takes head sizes"),
+])
+def test_fp8_refusals_name_the_argument(dtype, head_size, kernel, message):
+    cache = _checks.CacheGeometry(4, 16, 2, head_size, 16 * 2 * head_size, "fp8_e4m3")
+    with pytest.raises(NotImplementedError, match=message):
+        _checks.check_kernel_support(cache, dtype, kernel)
+    _checks.check_kernel_support(cache, "bf16", "cache write")  # any query dtype and head size
+    _checks.check_kernel_support(dataclasses.replace(cache, head_size=128), "f32", "prefill")

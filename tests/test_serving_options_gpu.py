@@ -1,7 +1,7 @@
 """GPU: Gemma 2's logit soft-cap and the sliding window in every kernel (the SIMT and tensor-core decode, the
 mma.sync, Hopper and float32 prefill) against the float64 reference, with every bias kind, ALiBi, GQA, the three
 layouts, split-K (also combined in clusters), chunked prefill, ``DecodePlan``, the repeated-call plan cache and CUDA
-graphs; and the clear refusal of fp8 caches, which the kernels do not have yet."""
+graphs. (fp8 caches: test_fp8_gpu.py.)"""
 
 from __future__ import annotations
 
@@ -156,18 +156,3 @@ def test_decode_plan_with_options_under_a_cuda_graph(rng):
         p.seq_lens[:] = lens
         expected = paged_attention_ref(*p.args(), **p.kwargs(), **options)
         assert_close(out.float().cpu().numpy(), expected, "bf16", f"lengths {lens}")
-
-
-def test_gpu_refuses_fp8_caches(rng):
-    """fp8 caches, which the kernels do not have yet, are refused by name on the GPU."""
-    torch = pytest.importorskip("torch")
-    p = make_problem(rng, [5, 40], dtype="bf16", num_heads=4, num_kv_heads=2)
-    dev = [to_torch(a) for a in p.args()]
-    fp8 = [dev[0], *(torch.zeros(c.shape, dtype=torch.float8_e4m3fn, device="cuda") for c in dev[1:3]), *dev[3:]]
-    with pytest.raises(NotImplementedError, match=r"key_cache: an fp8 cache \(fp8_e4m3\) on the GPU"):
-        cpa.paged_attention(*fp8, k_scale=0.5)
-    q = make_prefill_problem(rng, [(5, 2)], dtype="f16")
-    args = [to_torch(a) for a in q.args()]
-    args[1:3] = [torch.zeros(c.shape, dtype=torch.uint8, device="cuda") for c in args[1:3]]
-    with pytest.raises(NotImplementedError, match=r"key_cache: an fp8 cache \(fp8_e5m2\) on the GPU"):
-        cpa.paged_prefill_attention(*args, kv_cache_dtype="fp8_e5m2", k_scale=1.0, v_scale=1.0)

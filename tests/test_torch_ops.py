@@ -112,9 +112,15 @@ def _opcheck_cases(rng):
     (key, value, slots), _ = rewrite_last_tokens(rng, p, "cpu")
     caches = [tensor(np.nan_to_num(c), "cpu") for c in (p.key_cache, p.value_cache)]
     yield "reshape_and_cache", (key, value, *caches, slots, "nhd")
+    f = make_problem(rng, [5, 17, 0], num_heads=4, num_kv_heads=2, head_size=32)
+    args, kw = decode_inputs(f, "cpu")
+    args[1:3] = [torch.from_numpy(np.nan_to_num(c).astype("float8_e4m3fn").view(np.uint8)) for c in f.args()[1:3]]
+    yield "paged_attention", (*args, None, None, None, "nhd", None, None, "fp8_e4m3", torch.ones(2), None, None, 0.5)
+    caches8 = [torch.zeros(c.shape, dtype=torch.uint8) for c in caches]
+    yield "reshape_and_cache", (key, value, *caches8, slots, "nhd", "fp8_e5m2", None, torch.ones(1), 2.0, None)
 
 
-@pytest.mark.parametrize("index", range(6))
+@pytest.mark.parametrize("index", range(8))
 def test_opcheck(rng, index):
     """torch.library.opcheck: schema (mutation declared exactly), fake implementation, AOT dispatch."""
     name, args = list(_opcheck_cases(rng))[index]
@@ -332,3 +338,61 @@ def test_cuda_graph_replay(rng, bias):
     expected_p = paged_prefill_attention_ref(to_numpy(pargs[0]), *pp.args()[1:], **pp.kwargs())
     live = slice(0, int(pp.query_start_loc[-1]))
     assert_close(to_numpy(prefilled)[live], expected_p[live], "bf16", "prefill replay")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fp8 caches through the operators
+# ---------------------------------------------------------------------------------------------------------------
+def _fp8_caches(p, device: str, k_scale: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """``p``'s NHD caches as torch float8_e4m3fn (``value / k_scale[head]``; unused slots NaN), on ``device``; the
+    problem's dense K/V become what the caches hold, dequantized."""
+    from cupy_paged_attn.reference import fp8_quantize
+
+    caches = []
+    for c in (p.key_cache, p.value_cache):
+        q8 = fp8_quantize(c.astype(np.float32), k_scale, "fp8_e4m3")
+        caches.append(torch.from_numpy(q8.view(np.uint8).copy()).view(torch.float8_e4m3fn).to(device))
+    p.dense_k = [fp8_quantize(k, k_scale).astype(np.float64) * k_scale[:, None] for k in p.dense_k]
+    p.dense_v = [fp8_quantize(v, k_scale).astype(np.float64) * k_scale[:, None] for v in p.dense_v]
+    return caches[0], caches[1]
+
+
+def _fp8_operator_run(rng, device: str, compiled) -> None:
+    """Decode, prefill and the cache write over fp8 caches through the operators (a scale tensor, and a number)."""
+    from helpers import dense_attention
+
+    k_scale = np.float32([0.05, 0.2])
+    p = make_problem(rng, SEQ_LENS, num_heads=8, num_kv_heads=2, head_size=64, dtype="bf16", bias="dense")
+    args, kwargs = decode_inputs(p, device)
+    args[1], args[2] = _fp8_caches(p, device, k_scale)
+    scale_t = torch.from_numpy(k_scale).to(device)
+    out = compiled(cpt.paged_attention)(*args, **kwargs, k_scale=scale_t, v_scale=scale_t)
+    assert_close(to_numpy(out), dense_attention(p), "bf16", f"{device} decode")
+    pp = make_prefill_problem(rng, PREFILL_SEQS, num_heads=4, num_kv_heads=2, head_size=64, dtype="f16")
+    pargs, pkwargs = prefill_inputs(pp, device)
+    pargs[1], pargs[2] = _fp8_caches(pp, device, np.float32([0.25, 0.25]))
+    out = compiled(cpt.paged_prefill_attention)(*pargs, **pkwargs, k_scale=0.25, v_scale=0.25)
+    expected = paged_prefill_attention_ref(
+        *(to_numpy(a) for a in pargs), **pp.kwargs(), kv_cache_dtype="fp8_e4m3", k_scale=0.25, v_scale=0.25)
+    assert_close(to_numpy(out), expected, "f16", f"{device} prefill")
+    key = tensor(rng.standard_normal((5, 2, 64)).astype(np.float32), device)
+    k8 = torch.zeros(4, 16, 2, 64, dtype=torch.uint8, device=device)
+    v8 = torch.zeros_like(k8)
+    slots = torch.tensor([3, 17, -1, 40, 63], dtype=torch.int64, device=device)
+    cpt.reshape_and_cache(key, key * 2, k8, v8, slots, kv_cache_dtype="fp8_e5m2", k_scale=scale_t, v_scale=0.5)
+    want_k, want_v = reshape_and_cache_ref(to_numpy(key), to_numpy(key * 2), np.zeros((4, 16, 2, 64), np.uint8),
+                                           np.zeros((4, 16, 2, 64), np.uint8), to_numpy(slots),
+                                           kv_cache_dtype="fp8_e5m2", k_scale=k_scale, v_scale=0.5)
+    np.testing.assert_array_equal(k8.cpu().numpy(), want_k)
+    np.testing.assert_array_equal(v8.cpu().numpy(), want_v)
+
+
+def test_cpu_operators_take_fp8_caches(rng):
+    """fp8 caches and their scales pass through the operators (compiled whole) to the reference."""
+    _fp8_operator_run(rng, "cpu", lambda fn: torch.compile(fn, fullgraph=True, backend="aot_eager"))
+
+
+@gpu
+def test_fp8_operators_eager_and_compiled(rng):
+    _fp8_operator_run(rng, "cuda", lambda fn: fn)
+    _fp8_operator_run(rng, "cuda", lambda fn: torch.compile(fn, fullgraph=True))

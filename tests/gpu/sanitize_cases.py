@@ -2,7 +2,7 @@
 reference: decode and prefill (tensor-core and float32 kernels), MHA and GQA, single-pass and split-K, both layouts,
 dense and broadcast bias, ALiBi, ragged and empty sequences, ragged and T5 biases, and hostile device data (block
 ids outside the cache, negative and huge seq_lens, ragged-bias offsets outside their rows, T5 buckets outside the
-table, slots past the cache).
+table, slots past the cache), fp8 caches read and written.
 
 Run through tests/gpu/sanitize.sh (or alone: ``PYTHONPATH=.:tests python3 tests/gpu/sanitize_cases.py``).
 """
@@ -16,6 +16,7 @@ import numpy as np
 from helpers import assert_close, hostile_t5_bias, make_problem
 from prefill_helpers import make_prefill_problem
 from test_decode_gpu import device_args, to_cupy
+from test_fp8_gpu import device_options, fp8_problem
 from test_prefill_gpu import device_kwargs
 
 import cupy_paged_attn as cpa
@@ -204,10 +205,42 @@ def hostile_prefill(rng: np.random.Generator) -> None:
         cpa.paged_prefill_attention(*[to_cupy(a) for a in t.args()], **kw)
 
 
+FP8_CASES = [  # (name, fp8_problem arguments, split-K)
+    ("fp8-e4m3-bf16-gqa4-dense-per-head-split", dict(fmt="fp8_e4m3", scales="per-head", layout="nhd", num_heads=8,
+                                                    num_kv_heads=2, head_size=128, dtype="bf16", bias="dense",
+                                                    bias_dtype="bf16"), True),
+    ("fp8-e5m2-f16-d64-vllm-t5-window", dict(fmt="fp8_e5m2", scales="one", layout="vllm", num_heads=4,
+                                             num_kv_heads=4, dtype="f16", bias="t5-causal", alibi=True,
+                                             options={"window_left": 100}), False),
+]
+
+
+def run_fp8(name: str, kwargs: dict, split: bool, rng: np.random.Generator) -> None:
+    """An fp8 decode (test_fp8_gpu's problems), then an fp8 cache write into the vLLM layout's pages."""
+    kwargs = dict(kwargs)
+    options = kwargs.pop("options", {})
+    p, scales = fp8_problem(rng, **kwargs)
+    args, kw = device_args(p, to_cupy)
+    out = cupy.full(p.query.shape, np.nan, dtype=p.query.dtype)
+    with tuning.override(**switches(split)):
+        cpa.paged_attention(*args, **kw, **device_options(scales, to_cupy), **options, out=out)
+    assert_close(to_numpy(out), paged_attention_ref(*p.args(), **p.kwargs(), **scales, **options), kwargs["dtype"],
+                 name)
+    key = cupy.asarray(rng.standard_normal((40, 2, 64)).astype(np.float16))
+    k_cache = cupy.zeros((4, 2, 4, 16, 16), cupy.uint8)
+    v_cache = cupy.zeros((4, 2, 64, 16), cupy.uint8)
+    slots = cupy.asarray(np.r_[np.arange(39), 10**6].astype(np.int32))  # the last one past the cache
+    cpa.reshape_and_cache(key, key, k_cache, v_cache, slots, kv_layout="vllm", kv_cache_dtype="fp8_e4m3",
+                          k_scale=cupy.asarray(np.float32([0.1, 0.2])), v_scale=0.3)
+    print(f"ok  {name}")
+
+
 def main() -> int:
     rng = np.random.default_rng(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
     for name, kwargs, split in CASES:
         run(name, kwargs, split, rng)
+    for name, kwargs, split in FP8_CASES:
+        run_fp8(name, kwargs, split, rng)
     for name, kwargs, split in PREFILL_CASES:
         run_prefill(name, kwargs, split, rng)
     hostile(rng)
