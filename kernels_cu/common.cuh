@@ -247,27 +247,30 @@ __device__ __forceinline__ void half2x2_to_float4(unsigned lo, unsigned hi, floa
   f[3] = b.y;
 }
 
-template <>
-__device__ __forceinline__ void unpack<Fp8E4M3>(const uint4& raw, float* f) {
-  const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    unsigned lo, hi;
-    e4m3x4_to_half2x2(w[i], lo, hi);
-    half2x2_to_float4(lo, hi, f + 4 * i);
+// Four values of fp8 format KV (the bytes of w) as two float16 pairs of value / kv_unit<KV>().
+template <typename KV>
+__device__ __forceinline__ void fp8x4_to_half2x2(unsigned w, unsigned& lo, unsigned& hi) {
+  if constexpr (SameType<KV, Fp8E4M3>::value) {
+    e4m3x4_to_half2x2(w, lo, hi);
+  } else {
+    bytes_to_half_hi(w, lo, hi);
   }
 }
 
-template <>
-__device__ __forceinline__ void unpack<Fp8E5M2>(const uint4& raw, float* f) {
+template <typename KV>
+__device__ __forceinline__ void unpack_fp8(const uint4& raw, float* f) {
   const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     unsigned lo, hi;
-    bytes_to_half_hi(w[i], lo, hi);
+    fp8x4_to_half2x2<KV>(w[i], lo, hi);
     half2x2_to_float4(lo, hi, f + 4 * i);
   }
 }
+template <>
+__device__ __forceinline__ void unpack<Fp8E4M3>(const uint4& raw, float* f) { unpack_fp8<Fp8E4M3>(raw, f); }
+template <>
+__device__ __forceinline__ void unpack<Fp8E5M2>(const uint4& raw, float* f) { unpack_fp8<Fp8E5M2>(raw, f); }
 
 // Sixteen fp8 values (one 16-byte vector) as sixteen of T (float16 or bfloat16, which hold every fp8 value exactly),
 // each value / kv_unit<KV>(): elements 0-7 in lo, 8-15 in hi. The tensor-core decode converts its tiles with it.
@@ -276,13 +279,7 @@ __device__ __forceinline__ void fp8x16_to_16bit(const uint4& raw, uint4& lo, uin
   const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
   unsigned h[8];  // float16 pairs
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if constexpr (SameType<KV, Fp8E4M3>::value) {
-      e4m3x4_to_half2x2(w[i], h[2 * i], h[2 * i + 1]);
-    } else {
-      bytes_to_half_hi(w[i], h[2 * i], h[2 * i + 1]);
-    }
-  }
+  for (int i = 0; i < 4; ++i) fp8x4_to_half2x2<KV>(w[i], h[2 * i], h[2 * i + 1]);
   if constexpr (SameType<T, __nv_bfloat16>::value) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
