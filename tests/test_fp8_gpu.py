@@ -204,6 +204,24 @@ extern "C" __global__ void unpack_all(float* portable_e4m3, float* e4m3, float* 
   cpa::unpack<cpa::Fp8E5M2>(raw, f);
   for (int k = 0; k < 4; ++k) e5m2[4 * i + k] = f[k];
 }
+// The tensor-core decode's tile conversion: 16 fp8 values -> 16 float16 / bfloat16, every byte of both formats.
+template <typename T, typename KV>
+__device__ void tile_all(T* out) {
+  const int i = threadIdx.x;  // bytes 16i .. 16i + 15
+  unsigned w[4];
+  for (int k = 0; k < 4; ++k) {
+    w[k] = (16u * i + 4 * k) | ((16u * i + 4 * k + 1) << 8) | ((16u * i + 4 * k + 2) << 16) |
+           ((16u * i + 4 * k + 3) << 24);
+  }
+  uint4 lo, hi;
+  cpa::fp8x16_to_16bit<T, KV>(make_uint4(w[0], w[1], w[2], w[3]), lo, hi);
+  reinterpret_cast<uint4*>(out)[2 * i] = lo;
+  reinterpret_cast<uint4*>(out)[2 * i + 1] = hi;
+}
+extern "C" __global__ void tile_f16_e4m3(__half* out) { tile_all<__half, cpa::Fp8E4M3>(out); }
+extern "C" __global__ void tile_f16_e5m2(__half* out) { tile_all<__half, cpa::Fp8E5M2>(out); }
+extern "C" __global__ void tile_bf16_e4m3(__nv_bfloat16* out) { tile_all<__nv_bfloat16, cpa::Fp8E4M3>(out); }
+extern "C" __global__ void tile_bf16_e5m2(__nv_bfloat16* out) { tile_all<__nv_bfloat16, cpa::Fp8E5M2>(out); }
 extern "C" __global__ void quantize(const float* x, unsigned char* e4m3, unsigned char* e5m2, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) {
@@ -216,8 +234,9 @@ extern "C" __global__ void quantize(const float* x, unsigned char* e4m3, unsigne
 
 def test_fp8_conversions_over_every_value(rng):
     """The decode's fp8 -> float conversions (the portable e4m3 one that GPUs before sm_89 run, the one this GPU
-    runs, e5m2's) give every byte's value (e4m3fn's NaN: NaN, or ±480 on the portable path); the cache write's
-    float -> fp8 rounds as ml_dtypes does after saturating, ties, subnormals and specials included."""
+    runs, e5m2's) give every byte's value (e4m3fn's NaN: NaN, or ±480 on the portable path), and so does the
+    tensor-core decode's tile conversion to float16 and bfloat16 (up to kv_unit); the cache write's float -> fp8
+    rounds as ml_dtypes does after saturating, ties, subnormals and specials included."""
     import cupy
 
     module = cupy.RawModule(code=_compile.inline_headers(_CONVERSIONS), options=("-std=c++17",))
@@ -230,6 +249,19 @@ def test_fp8_conversions_over_every_value(rng):
     nan = np.isnan(want)
     np.testing.assert_array_equal(portable.get()[~nan] * 256, want[~nan])
     np.testing.assert_array_equal(np.abs(portable.get()[nan] * 256), 480)
+    for name, fmt, out_dtype in (("tile_f16_e4m3", ml_dtypes.float8_e4m3fn, np.float16),
+                                 ("tile_f16_e5m2", ml_dtypes.float8_e5m2, np.float16),
+                                 ("tile_bf16_e4m3", ml_dtypes.float8_e4m3fn, ml_dtypes.bfloat16),
+                                 ("tile_bf16_e5m2", ml_dtypes.float8_e5m2, ml_dtypes.bfloat16)):
+        got = cupy.zeros(256, np.uint16)
+        module.get_function(name)((1,), (16,), (got,))
+        have = got.get().view(out_dtype).astype(np.float32)
+        want = every.view(fmt).astype(np.float32)
+        ok = np.isfinite(want)
+        ratio = have[ok][want[ok] != 0] / want[ok][want[ok] != 0]  # kv_unit: 1, or 1/256 for portable e4m3
+        assert np.all(ratio == ratio[0]) and ratio[0] in (1.0, 1.0 / 256), name
+        np.testing.assert_array_equal(have[ok][want[ok] == 0], 0, err_msg=name)
+        np.testing.assert_array_equal(have[np.isinf(want)], want[np.isinf(want)], err_msg=name)  # e5m2's
 
     steps = np.concatenate([every.view(f).astype(np.float32) for f in FP8.values()])
     steps = steps[np.isfinite(steps)]
