@@ -138,6 +138,9 @@ def hostile(rng: np.random.Generator) -> None:
     for split in (False, True):
         with tuning.override(**switches(split)):
             hostile_prefill(rng)
+    for kernel in ("tensor-cores", "simt"):  # fp8 caches: block ids and lengths out of range on both decode kernels
+        with tuning.override(decode_kernel=kernel, num_sms=10**6):
+            hostile_fp8_decode(rng)
     key = cupy.asarray(rng.standard_normal((4, 2, 64)).astype(np.float16))
     k_cache = cupy.asarray(rng.standard_normal((3, 16, 2, 64)).astype(np.float16))
     v_cache = k_cache.copy()
@@ -170,6 +173,17 @@ def hostile_decode(rng: np.random.Generator, split: bool | str, dtype: str, bias
             args, kw = device_args(t, to_cupy)
             kw["attn_bias"] = hostile_t5_bias(kw["attn_bias"], to_cupy)
             cpa.paged_attention(*args, **kw)
+
+
+def hostile_fp8_decode(rng: np.random.Generator) -> None:
+    p, scales = fp8_problem(rng, "fp8_e4m3", "per-head", "nhd", num_heads=4, num_kv_heads=4, dtype="bf16",
+                            bias="dense", bias_dtype="bf16")
+    tables = p.block_tables.copy()
+    tables[4, 1], tables[5, 0], tables[6, 1] = -7, 2**31 - 1, p.key_cache.shape[0]
+    args, kw = device_args(p, to_cupy)
+    args[3] = cupy.asarray(tables)
+    args[4] = cupy.asarray(np.array([1, -5, 10**9, 0, 513, 2**31 - 1, 1300], np.int32))
+    cpa.paged_attention(*args, **kw, **device_options(scales, to_cupy))
 
 
 def hostile_ranked_split(rng: np.random.Generator) -> None:
@@ -236,7 +250,12 @@ def run_fp8(name: str, kwargs: dict, split: bool, rng: np.random.Generator) -> N
 
 
 def main() -> int:
-    rng = np.random.default_rng(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+    """``sanitize_cases.py [SEED] [--hostile]``: every case, or (``--hostile``) the hostile device data alone."""
+    numbers = [a for a in sys.argv[1:] if not a.startswith("--")]
+    rng = np.random.default_rng(int(numbers[0]) if numbers else 0)
+    if "--hostile" in sys.argv[1:]:
+        hostile(rng)
+        return 0
     for name, kwargs, split in CASES:
         run(name, kwargs, split, rng)
     for name, kwargs, split in FP8_CASES:
