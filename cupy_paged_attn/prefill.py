@@ -128,7 +128,8 @@ def paged_prefill_attention(
         ALiBi slopes; adds ``alibi_slopes[h] * (j - p)``.
     kv_layout : {"nhd", "vllm", "hnd"}
     logits_soft_cap, window_left, kv_cache_dtype, k_scale, v_scale
-        As in :func:`paged_attention` (fp8 caches on the NumPy path only so far: NotImplementedError on the GPU).
+        As in :func:`paged_attention`. On the GPU the pages an fp8 call reads are first dequantized into a scratch
+        cache of the query's dtype (``num_seqs * max_blocks_per_seq`` pages), which the 16-bit tilings then read.
         With ``causal=False`` a window masks only the keys before ``p - window_left``.
     out : array like ``query``, optional
         Written in place and returned (last dimension contiguous). Rows of ``query`` that belong to no sequence
@@ -157,7 +158,7 @@ def paged_prefill_attention(
         ``scale``, one device. On the NumPy path (and with ``validate=True``) also the data.
     NotImplementedError
         A head_size or block_size outside the supported sets; a RaggedBias; a dense bias whose keys lie 2**31
-        bytes or more apart; on the GPU, fp8 caches (the kernels do not have them yet).
+        bytes or more apart; on the GPU, an fp8 cache of a head size that is not a multiple of 16.
     RuntimeError
         Kernel compilation failed (with the NVRTC log), or NVRTC / CUDA headers are missing.
 
