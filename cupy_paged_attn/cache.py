@@ -105,10 +105,7 @@ def reshape_and_cache(
             slots = _interop.unit_last_stride(problem.slot_mapping)
             ks, vs = _checks.element_strides(k), _checks.element_strides(v)
             ptr, i64, i32 = _interop.kernel_arg, np.int64, np.int32
-            # (fp8 scales given as arrays, contiguous: kept here until the launch is queued)
-            scale_arrays = {name: _interop.unit_last_stride(scale.array)
-                            for name, scale in (("k_scale", problem.k_scale), ("v_scale", problem.v_scale))
-                            if scale is not None and scale.array is not None}
+            scale_arrays = _scale_arrays(problem)  # (kept here until the launch is queued)
             args = _launch.PackedArgs([
                 ("key", ptr(k)), ("key.stride_t", i64(ks[0])), ("key.stride_h", i64(ks[1])), ("value", ptr(v)),
                 ("value.stride_t", i64(vs[0])), ("value.stride_h", i64(vs[1])), ("key_cache", ptr(k_cache)),
@@ -116,14 +113,27 @@ def reshape_and_cache(
                 ("slot_mapping", ptr(slots)), ("num_kv_heads", i32(problem.cache.num_kv_heads)),
                 ("head_size", i32(problem.cache.head_size)), ("block_size", i32(problem.cache.block_size)),
                 ("num_blocks", i32(problem.cache.num_blocks)),
-                *_launch.kv_scale_args(problem.k_scale, problem.v_scale,
-                                       {name: _interop.data_ptr(x) for name, x in scale_arrays.items()}),
+                *_scale_args(problem, scale_arrays),
             ])
             _launch.Launch(_launch.function_of(kernel), (problem.num_tokens, 1, 1), spec.threads, args).launch(
                 stream.ptr)
     if framework == "jax":
         return _interop.finish("jax", k_cache), _interop.finish("jax", v_cache)
     return key_cache, value_cache
+
+
+def _scale_arrays(problem: Any) -> dict[str, Any]:
+    """A checked problem's fp8 scales given as arrays, by operand name, each with a unit last stride (a copy where it
+    had none: the caller keeps them until its launch is queued)."""
+    return {name: _interop.unit_last_stride(scale.array)
+            for name, scale in (("k_scale", problem.k_scale), ("v_scale", problem.v_scale))
+            if scale is not None and scale.array is not None}
+
+
+def _scale_args(problem: Any, scale_arrays: dict[str, Any]) -> list[tuple[str, np.generic]]:
+    """The kernel's fp8 scale parameters (_launch.kv_scale_args), pointing at ``scale_arrays``."""
+    return _launch.kv_scale_args(problem.k_scale, problem.v_scale,
+                                 {name: _interop.data_ptr(x) for name, x in scale_arrays.items()})
 
 
 def dequantize_pages(problem: _checks.PrefillProblem, framework: str, like: Any, stream: Any,
@@ -145,9 +155,7 @@ def dequantize_pages(problem: _checks.PrefillProblem, framework: str, like: Any,
     spec = _specs.CacheDequantizeSpec(problem.dtype, c.fp8, c.head_size, problem.kv_layout)
     (kernel,) = _compile.kernels(spec, device)
     tables, lens = _interop.unit_last_stride(problem.block_tables), _interop.unit_last_stride(problem.seq_lens)
-    scale_arrays = {name: _interop.unit_last_stride(scale.array)
-                    for name, scale in (("k_scale", problem.k_scale), ("v_scale", problem.v_scale))
-                    if scale is not None and scale.array is not None}
+    scale_arrays = _scale_arrays(problem)
     ptr, i64, i32 = _interop.kernel_arg, np.int64, np.int32
     args = _launch.PackedArgs([
         ("key_out", ptr(key_out)), ("value_out", ptr(value_out)), ("table_out", ptr(table)),
@@ -156,8 +164,7 @@ def dequantize_pages(problem: _checks.PrefillProblem, framework: str, like: Any,
         ("block_shift", i32(c.block_size.bit_length() - 1)), ("num_kv_heads", i32(c.num_kv_heads)),
         ("block_tables", ptr(tables)), ("block_tables.stride", i64(_checks.element_strides(tables)[0])),
         ("seq_lens", ptr(lens)), ("max_blocks", i32(problem.max_blocks_per_seq)),
-        *_launch.kv_scale_args(problem.k_scale, problem.v_scale,
-                               {name: _interop.data_ptr(x) for name, x in scale_arrays.items()}),
+        *_scale_args(problem, scale_arrays),
     ])
     _launch.Launch(_launch.function_of(kernel), (pages, 1, 1), spec.threads, args).launch(stream.ptr)
     geometry = _checks.CacheGeometry(pages, c.block_size, c.num_kv_heads, c.head_size,

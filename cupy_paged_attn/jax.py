@@ -92,8 +92,8 @@ def _split_bias(attn_bias: Any) -> tuple[_BiasSpec, list[Any]]:
 # ---------------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class _Fp8Spec:
-    """The static part of a call's fp8 options: the format (None: no fp8 cache), each scale's number (None: its
-    array is an operand, after the bias's and ALiBi's)."""
+    """The static part of a call's fp8 options: the format (``"auto"``: no fp8 cache), each scale's number (None:
+    none given, or its array is an operand, after the bias's and ALiBi's: ``k_array`` / ``v_array``)."""
 
     kv_cache_dtype: str = "auto"
     k_scale: float | None = None

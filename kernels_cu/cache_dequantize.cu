@@ -46,8 +46,8 @@ __global__ void __launch_bounds__(kDequantizeThreads) dequantize_pages(
     const int c = idx % NVEC;
     const int h = idx / NVEC % num_kv_heads;
     const int off = idx / (NVEC * num_kv_heads);
-    const float ks = k_scale * kv_unit<KV>() * (k_scales != nullptr ? k_scales[h * k_scale_stride] : 1.0f);
-    const float vs = v_scale * kv_unit<KV>() * (v_scales != nullptr ? v_scales[h * v_scale_stride] : 1.0f);
+    const float ks = kv_scale(k_scale, k_scales, k_scale_stride, h, kv_unit<KV>());
+    const float vs = kv_scale(v_scale, v_scales, v_scale_stride, h, kv_unit<KV>());
     float k[VEC], v[VEC];
     unpack<KV>(load_raw(cache.key_vec(blk, off, h, c)), k);
     if constexpr (Cache::kValueIsVector) {

@@ -61,8 +61,8 @@ __global__ void __launch_bounds__(kCacheThreads) reshape_and_cache(
     const uint4 v = load_raw(value + t * value_stride_t + h * value_stride_h + d);
     float ks = 1.0f, vs = 1.0f;
     if constexpr (IsFp8<KV>::value) {
-      ks = k_scale * (k_scales != nullptr ? k_scales[h * k_scale_stride] : 1.0f);
-      vs = v_scale * (v_scales != nullptr ? v_scales[h * v_scale_stride] : 1.0f);
+      ks = kv_scale(k_scale, k_scales, k_scale_stride, h);
+      vs = kv_scale(v_scale, v_scales, v_scale_stride, h);
     }
     KV* kc = key_cache + blk * cache_block_stride;
     KV* vc = value_cache + blk * cache_block_stride;

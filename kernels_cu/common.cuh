@@ -272,6 +272,12 @@ __device__ __forceinline__ void unpack<Fp8E4M3>(const uint4& raw, float* f) { un
 template <>
 __device__ __forceinline__ void unpack<Fp8E5M2>(const uint4& raw, float* f) { unpack_fp8<Fp8E5M2>(raw, f); }
 
+// The scale of KV head h of an fp8 cache, times `unit` (kv_unit<KV>() where the read values are value / unit): the
+// number times the array's entry (scales null: 1; stride 0: one entry for all heads). A kernel's scale parameters.
+__device__ __forceinline__ float kv_scale(float scale, const float* scales, int stride, int h, float unit = 1.0f) {
+  return scale * unit * (scales != nullptr ? scales[h * stride] : 1.0f);
+}
+
 // Sixteen fp8 values (one 16-byte vector) as sixteen of T (float16 or bfloat16, which hold every fp8 value exactly),
 // each value / kv_unit<KV>(): elements 0-7 in lo, 8-15 in hi. The tensor-core decode converts its tiles with it.
 template <typename T, typename KV>

@@ -359,7 +359,7 @@ decode_mma(
   }
   // With an fp8 cache the key's scale rides on the logits' scale, the value's on the accumulator (after the loop).
   float key_mult = 1.0f;
-  if constexpr (kFp8) key_mult = k_scale * kv_unit<KV>() * (k_scales != nullptr ? k_scales[kvh * k_scale_stride] : 1.0f);
+  if constexpr (kFp8) key_mult = kv_scale(k_scale, k_scales, k_scale_stride, kvh, kv_unit<KV>());
   const float scale2 = scale * kLog2e * key_mult;
   const bool has_alibi = alibi_slopes != nullptr;
 
@@ -474,8 +474,7 @@ decode_mma(
   }
   cp_async_wait<0>();  // no copy may still be writing shared memory when the CTA combines in it
   if constexpr (kFp8) {
-    const float value_mult =
-        v_scale * kv_unit<KV>() * (v_scales != nullptr ? v_scales[kvh * v_scale_stride] : 1.0f);
+    const float value_mult = kv_scale(v_scale, v_scales, v_scale_stride, kvh, kv_unit<KV>());
 #pragma unroll
     for (int n = 0; n < ACC_N; ++n)
 #pragma unroll

@@ -222,7 +222,7 @@ decode_simt(
   // key's scale is folded into q, the value's into the accumulator at the epilogue.
   float key_mult = 1.0f;
   if constexpr (IsFp8<KV>::value) {
-    key_mult = k_scale * kv_unit<KV>() * (k_scales != nullptr ? k_scales[kvh * k_scale_stride] : 1.0f);
+    key_mult = kv_scale(k_scale, k_scales, k_scale_stride, kvh, kv_unit<KV>());
   }
   const float scale2 = scale * kLog2e * key_mult;
   float q[VPL][VEC];
@@ -496,7 +496,7 @@ decode_simt(
   float lw = w * l;
   float acc_w = w;
   if constexpr (IsFp8<KV>::value) {
-    acc_w *= v_scale * kv_unit<KV>() * (v_scales != nullptr ? v_scales[kvh * v_scale_stride] : 1.0f);
+    acc_w *= kv_scale(v_scale, v_scales, v_scale_stride, kvh, kv_unit<KV>());
   }
 #pragma unroll
   for (int v = 0; v < VPL; ++v)
