@@ -97,10 +97,12 @@ def test_gpu_kernel_against_reference(case, seed):
     assert_close_to_scale(to_numpy(out), paged_attention_ref(*problem.args(), **problem.kwargs()), dtype)
 
 
-def test_row_tolerance_catches_one_dropped_key(rng):
+def test_row_tolerance_catches_one_dropped_key():
     """The GPU property test's tolerance fails an answer that leaves out one key of 700 (bfloat16), where the fixed
-    16-bit tolerance passes it."""
-    problem = make_problem(rng, [700], num_heads=4, num_kv_heads=4, head_size=64, dtype="bf16")
+    16-bit tolerance passes it. On one fixed problem: how far the last key moves the output depends on its weight
+    (over random draws the row tolerance catches it in about 97 % of them; this one: 4.4 times the tolerance, and
+    half the fixed one)."""
+    problem = make_problem(np.random.default_rng(1), [700], num_heads=4, num_kv_heads=4, head_size=64, dtype="bf16")
     expected = paged_attention_ref(*problem.args(), **problem.kwargs())
     short = problem.seq_lens.copy()
     short[0] = 699
