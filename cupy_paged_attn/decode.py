@@ -574,10 +574,12 @@ def paged_attention(
 
     Notes
     -----
-    On the GPU, device data is not read on the host unless ``validate=True`` (that costs a sync): a ``seq_lens``
-    entry outside its range is clamped to ``[0, max_len]``, a key whose block id lies outside the cache is
-    skipped, and a sequence whose RaggedBias rows lie outside ``values`` is cut short, so no input can make the
-    kernel read or write out of bounds.
+    On the GPU, device data is not read on the host unless ``validate=True`` (that costs a sync). Out-of-contract
+    data is made loud instead: a sequence whose ``seq_lens`` entry is negative or longer than its block table or a
+    dense bias holds (``max_len``), whose RaggedBias rows do not cover its keys, or one of whose used pages has a
+    block id outside the cache gets NaN in every element of its output rows. Nothing outside the arrays is read or
+    written whatever they hold, and a length of 0 gives zeros. ``validate=True`` (and the NumPy path, always) raises
+    a ValueError naming the argument instead.
 
     Calls are planned once per thread and set of operand signatures (dtype, shape, strides, device of each array)
     and other arguments: a repeated call with torch or CuPy arrays runs the cached :class:`DecodePlan` without

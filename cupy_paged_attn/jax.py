@@ -319,7 +319,7 @@ def paged_attention(
         jax older than 0.6.1 (no ``buffer_callback``).
     TypeError, ValueError, NotImplementedError
         At trace time, as :func:`cupy_paged_attn.paged_attention` checks shapes and dtypes. Device data (seq_lens,
-        block ids) is not read: out-of-range values are clamped or skipped by the kernels.
+        block ids) is not read: out-of-contract values give NaN rows (see :func:`cupy_paged_attn.paged_attention`).
     """
     spec, bias_arrays = _split_bias(attn_bias)
     fp8, key_cache, value_cache, scale_arrays = _split_fp8(key_cache, value_cache, kv_cache_dtype, k_scale, v_scale)

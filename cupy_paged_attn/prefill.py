@@ -164,11 +164,13 @@ def paged_prefill_attention(
 
     Notes
     -----
-    Nothing is read on the host unless ``validate=True``: the kernels clamp ``query_start_loc`` into
-    ``[0, total_query_tokens]`` and ``seq_lens`` into ``[0, max_len]``, skip keys whose block id lies outside the
-    cache, and give zeros to query rows past a dense bias's ``max_q_len``, so no input reads or writes out of
-    bounds. One call launches a small plan kernel (tiles to sequences, on the device), the attention kernel and,
-    when the keys are split, a reduction.
+    Nothing is read on the host unless ``validate=True``, and no input reads or writes out of bounds: the kernels
+    clamp ``query_start_loc`` into ``[0, total_query_tokens]`` and give zeros to query rows past a dense bias's
+    ``max_q_len``. A sequence whose ``seq_lens`` entry is negative or longer than its block table or a dense bias
+    holds gets NaN in all its output rows, and the query rows whose tile reads a page with a block id outside the
+    cache get NaN (``validate=True`` and the NumPy path raise a ValueError naming the argument instead). One call
+    launches a small plan kernel (tiles to sequences, on the device), the attention kernel and, when the keys are
+    split, a reduction.
     """
     options, scale_arrays = _checks.serving_options(logits_soft_cap, window_left, kv_cache_dtype, k_scale, v_scale)
     named = {

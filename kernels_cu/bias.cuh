@@ -117,7 +117,8 @@ struct DenseRowsBias : DenseBias {
 };
 
 // A ragged bias: sequence s's keys are rows offsets[s] ... of values [n, num_heads]. Whatever the offsets hold, no
-// row outside [0, n) is read: a sequence whose rows are missing is cut short (validate=True reports it).
+// row outside [0, n) is read: a sequence whose rows are missing is cut short, which poisons its rows (NaN,
+// paged_cache.cuh; validate=True reports it).
 struct RaggedBias {
   static constexpr bool enabled = true;
   static constexpr bool kNearTable = false;

@@ -34,8 +34,15 @@ __host__ __device__ constexpr int pow2_floor(int n) {
   return p;
 }
 
-// +infinity (NVRTC has no <cmath> INFINITY).
+// +infinity and a quiet NaN (NVRTC has no <cmath> INFINITY, NAN).
 __device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
+__device__ __forceinline__ float nan() { return __int_as_float(0x7fc00000); }
+
+// An output element o / l, where l = Σ exp(x − m) of its row: zeros where no key contributed (l = 0: an empty
+// sequence, every key masked), NaN where l is NaN (a poisoned row: out-of-contract device data, paged_cache.cuh).
+// inv_sum gives the 1 / l that multiplies a row's elements, with the same two cases.
+__device__ __forceinline__ float normalized(float o, float l) { return l == 0.0f ? 0.0f : o / l; }
+__device__ __forceinline__ float inv_sum(float l) { return l == 0.0f ? 0.0f : 1.0f / l; }
 constexpr float kLog2e = 1.4426950408889634f;  // softmaxes run in base 2: e^x = 2^(x·log2 e)
 constexpr float kRescaleSlack = 8.0f;  // base 2: how far a tile's max may pass a row's softmax reference (p <= 256)
 

@@ -493,7 +493,8 @@ decode_mma(
   float* acc_s = reinterpret_cast<float*>(kv_s);   // [KEY_WARPS][ROWS][PITCH]
   float* ml_s = acc_s + KEY_WARPS * ROWS * PITCH;  // [KEY_WARPS][ROWS][2]
   const int kw = c.warp % KEY_WARPS;
-  __syncthreads();  // every warp is done with the stages
+  // Every warp is done with the stages; and did any copy of the CTA miss its page (its rows are then poisoned)?
+  const bool poisoned = __syncthreads_or(copies.missed_any()) != 0 || out_of_contract(seq_lens, c.s, c.len);
 #pragma unroll
   for (int n = 0; n < ACC_N; ++n)
 #pragma unroll
@@ -527,11 +528,12 @@ decode_mma(
         o += cw * acc_s[(w * ROWS + r) * PITCH + d];
       }
     }
+    big_l = poisoned_sum(big_l, poisoned);
     const int R = c.m0 + r;
     const long long q_row = c.q0 + R / G;
     const int h = kvh * G + R % G;
     if (num_parts == 1) {
-      out[q_row * out_stride_t + h * out_stride_h + d] = from_float<T>(big_l > 0.0f ? o / big_l : 0.0f);
+      out[q_row * out_stride_t + h * out_stride_h + d] = from_float<T>(normalized(o, big_l));
     } else {
       const long long at = (static_cast<long long>(part) * total_q + q_row) * (num_kv_heads * G) + h;
       part_acc[at * HEAD + d] = o;

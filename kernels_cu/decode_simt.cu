@@ -191,6 +191,10 @@ decode_simt(
   const typename Bias::Seq seq_bias = bias.seq(s);
   // Keys of this sequence: seq_lens[s] within the block table (and a dense bias), and within a ragged bias's rows.
   const int len = seq_bias.limit(clamped_len(seq_lens, s, max_len));
+  // Whether the sequence's length breaks the contract (its rows are then NaN, paged_cache.cuh): read back in the
+  // epilogue, after the loop's barriers, from shared memory (in a register across the loop it spilled).
+  __shared__ bool broken_s;
+  if (tid == 0) broken_s = out_of_contract(seq_lens, s, len);
   int end = min(start + tokens_per_part, len);
   // With a sliding window (the score options) the keys from lo = len − 1 − window_left on are keys: the partitions cut
   // them from the tile holding lo (pages wholly before it are never read), and the last one takes every key left (the
@@ -243,9 +247,17 @@ decode_simt(
 
   auto k_s = [&](int st, int t, int c) -> uint4* { return &stage_s[(st * 2 * TILE + t) * NVEC + c]; };
   auto v_s = [&](int st, int t, int c) -> uint4* { return &stage_s[((st * 2 + 1) * TILE + t) * NVEC + c]; };
-  // A block id outside the cache is never dereferenced: the key is skipped (validate=True reports it).
-  auto is_key = [&](int j, int blk) -> bool {
-    return j < end && (!SCORES || j >= lo) && static_cast<unsigned>(blk) < static_cast<unsigned>(num_blocks);
+  // What token j of a tile is, in key_s: kNoKey past the partition's keys (or before the window), else kKey, or
+  // kMissingKey where its block id lies outside the cache. Such a page is never dereferenced; the key's logit is +inf,
+  // which makes l, and so every output of the CTA's rows, NaN (poisoned, paged_cache.cuh; validate=True reports it).
+  // Kept in the flags rather than in a register across the loop, which spilled in the 80-register kernels.
+  constexpr unsigned char kNoKey = 0, kKey = 1, kMissingKey = 2;
+  auto key_kind = [&](int j, int blk) -> unsigned char {
+    if (j >= end || (SCORES && j < lo)) return kNoKey;
+    return static_cast<unsigned>(blk) < static_cast<unsigned>(num_blocks) ? kKey : kMissingKey;
+  };
+  auto masked = [&](unsigned char kind, float x) -> float {
+    return kind == kKey ? x : kind == kNoKey ? -inf() : inf();
   };
   // Where this thread's copies go within a page: vector idx = tid + k·kDecodeThreads of a tile is token
   // idx / NVEC, vector c = idx % NVEC, at page_offset(0, kvh, c) + (token's offset in its page)·token_stride.
@@ -283,12 +295,13 @@ decode_simt(
         const int c = idx % NVEC;
         const int j = t0 + t;
         const int blk = cblk_r[st][k];
-        const bool copy = is_key(j, blk);
+        const unsigned char kind = key_kind(j, blk);
+        const bool copy = kind == kKey;
         const int off = j & block_mask;
         // The page's offset, the same in both caches (0 for a token that is no key: its copy reads nothing).
         const long long at = copy ? cache.element_offset(blk, off * token_stride + copy_at[k]) : 0;
         cp_async16(k_s(st, t, c), key_cache + at, copy ? kVecBytes : 0);
-        if (c == 0) key_s[st * TILE + t] = copy;
+        if (c == 0) key_s[st * TILE + t] = kind;
         if constexpr (Cache::kValueIsVector) {
           cp_async16(v_s(st, t, c), value_cache + at, copy ? kVecBytes : 0);
         } else {
@@ -413,14 +426,14 @@ decode_simt(
           if (tx == k % TX) {
             float extra = slope * static_cast<float>(t0 + t - len + 1);
             if constexpr (Bias::enabled) extra += bias.value(bias_r[st][k / TX]);
-            own = key_s[st * TILE + t] ? fmaf(extra, kLog2e, capped) : -inf();
+            own = masked(key_s[st * TILE + t], fmaf(extra, kLog2e, capped));
           }
           x[k] = __shfl_sync(0xffffffffu, own, k % TX, TX);
         } else {
           if (tx == k % TX) {
             float extra = slope * static_cast<float>(t0 + t - len + 1);
             if constexpr (Bias::enabled) extra += bias.value(bias_r[st][k / TX]);
-            dot = key_s[st * TILE + t] ? fmaf(extra, kLog2e, dot) : -inf();
+            dot = masked(key_s[st * TILE + t], fmaf(extra, kLog2e, dot));
           }
           x[k] = group_sum<TX>(dot);
         }
@@ -477,7 +490,8 @@ decode_simt(
   constexpr int kSlotsPerWarp = kSlotLanes < kWarpSize ? kWarpSize / kSlotLanes : 1;
   constexpr int TZW = TZ / kSlotsPerWarp;  // slots left after the warp step: one per warp, or TZ (< 8) if fewer
   cp_async_wait<0>();  // copies issued past the end still write zeros into the stages
-  __syncthreads();     // every thread is done with the stages before the epilogue overwrites them
+  __syncthreads();     // every thread is done with the stages before the epilogue overwrites them (and broken_s
+                       // is visible, also where the loop ran no tile)
   float* acc_s = reinterpret_cast<float*>(stage_s);  // [TZW][HG][HEAD]
   float* ml_s = acc_s + TZW * HG * HEAD;             // [TZW][HG][2]
   [[maybe_unused]] float* mine_s = ml_s + TZW * HG * 2;   // CLUSTER: this CTA's combined acc, [HG][HEAD]
@@ -534,6 +548,7 @@ decode_simt(
       big_l += ml_s[(z * HG + g) * 2 + 1];
       o += acc_s[(z * HG + g) * HEAD + d];
     }
+    big_l = poisoned_sum(big_l, broken_s);
     const int hh = head0 + g;
     if constexpr (CLUSTER) {
       mine_s[i] = o;
@@ -542,7 +557,7 @@ decode_simt(
         mine_ml_s[g * 2 + 1] = big_l;
       }
     } else if (num_parts == 1) {
-      out[seq_late() * out_stride_s + hh * out_stride_h + d] = from_float<T>(big_l > 0.0f ? o / big_l : 0.0f);
+      out[seq_late() * out_stride_s + hh * out_stride_h + d] = from_float<T>(normalized(o, big_l));
     } else {
       const long long at = (static_cast<long long>(seq_late()) * (num_kv_heads * group_size) + hh) * num_parts + part;
       part_acc[at * HEAD + d] = o;
@@ -584,7 +599,7 @@ decode_simt(
         o += w * o_p[p];
       }
       out[seq_late() * out_stride_s + (head0 + g) * out_stride_h + i % HEAD] =
-          from_float<T>(big_l > 0.0f ? o / big_l : 0.0f);
+          from_float<T>(normalized(o, big_l));
     }
     cluster_sync();  // no CTA leaves (its shared memory with it) while another may still read from it
   }

@@ -476,8 +476,10 @@ struct TilePages {
 // Copies of tile u (keys from t0) into stage st: K/V vectors by cp.async (vLLM values gathered), zeros where a key is
 // missing. Slot k of this thread is vector c of tile row t (idx = tid + k·threads: coalesced). When the threads cover
 // whole rows (NV divides them), c is the same in every slot and its byte offset is folded into this thread's cache
-// pointers once. issue() returns whether every key that this thread copied lies in the cache; issue_tile keeps that
-// per tile in ok_bits (bit u % 32: u's copies are issued AHEAD < 32 tiles before u is computed).
+// pointers once. issue() returns whether every key that this thread copied lies in the cache; issue_tile clears bit
+// u % 32 of ok_bits when not (u's copies are issued AHEAD < 32 tiles before u is computed). A cleared bit stays
+// cleared: the tiles u + 32, u + 64 ... are then masked key by key (their rows are poisoned anyway), and ok_bits
+// tells at the end whether any key was missing (missed_any) at no register's cost.
 // ---------------------------------------------------------------------------------------------------------------
 template <typename L, typename Cache, typename G = L>  // G: where the copies go (L's stages, or Fp8Stages<L>)
 struct TileCopies {
@@ -543,13 +545,15 @@ struct TileCopies {
       const int st = u % L::STAGES;
       const int t0 = kstart + u * L::TILE_N;
       extra(st, t0);
-      ok_bits = issue(st, u, t0) ? ok_bits | bit : ok_bits & ~bit;
+      if (!issue(st, u, t0)) ok_bits &= ~bit;
     } else {
       cp_async_commit();
     }
   }
   // Bit u % 32 of ok_bits: whether this thread's copies of tile u all lay in the cache.
   __device__ __forceinline__ unsigned tile_ok(int u) const { return (ok_bits >> (u % 32)) & 1u; }
+  // Whether any of this thread's copies so far missed its page.
+  __device__ __forceinline__ bool missed_any() const { return ok_bits != ~0u; }
 };
 
 // fp8 caches in the decode tiling (TileLayout FP8): tile u's K and V travel into stage u % STAGES of f8_s,
@@ -912,7 +916,8 @@ __device__ __forceinline__ void pv_mma(float (&acc)[L::MT][L::NT_O][4], const SF
 
 // ---------------------------------------------------------------------------------------------------------------
 // Epilogue of the prefill tilings: l over the quad (the 4 lanes of a row), then out = acc / l, or (acc, m, l) for the
-// split-K combine: part_acc [num_parts, total_q, num_heads, HEAD], part_ml [.., 2] = (m, l) in base 2.
+// split-K combine: part_acc [num_parts, total_q, num_heads, HEAD], part_ml [.., 2] = (m, l) in base 2. A poisoned
+// CTA (out-of-contract data, paged_cache.cuh) writes l = NaN.
 // ---------------------------------------------------------------------------------------------------------------
 template <int NR>
 __device__ __forceinline__ void quad_sums(float (&l)[NR]) {
@@ -927,18 +932,20 @@ template <typename L, typename T, int HEAD>
 __device__ __forceinline__ void write_rows(T* __restrict__ out, long long out_stride_t, long long out_stride_h,
                                            float* __restrict__ part_acc, float* __restrict__ part_ml,
                                            const float (&acc)[L::MT][L::NT_O][4], const float (&m)[L::NR],
-                                           const float (&l)[L::NR], const TileRows<L::NR>& rows, const TileCta<L>& c,
-                                           int part, int total_q, int num_kv_heads, int num_parts) {
+                                           const float (&l_rows)[L::NR], const TileRows<L::NR>& rows,
+                                           const TileCta<L>& c, int part, int total_q, int num_kv_heads, int num_parts,
+                                           bool poisoned) {
 #pragma unroll
   for (int hf = 0; hf < L::NR; ++hf) {
     if (!rows.written[hf]) continue;
+    const float l = poisoned_sum(l_rows[hf], poisoned);
     const int R = c.m0 + c.row(hf);
     const float(&row_acc)[L::NT_O][4] = acc[hf / 2];
     const int c0 = 2 * (hf % 2);
     const long long q_row = c.q0 + R / c.G;
     const int h = rows.h[hf];
     if (num_parts == 1) {
-      const float inv = l[hf] > 0.0f ? 1.0f / l[hf] : 0.0f;
+      const float inv = inv_sum(l);
       T* o = out + q_row * out_stride_t + h * out_stride_h;
 #pragma unroll
       for (int n = 0; n < L::NT_O; ++n) {
@@ -960,7 +967,7 @@ __device__ __forceinline__ void write_rows(T* __restrict__ out, long long out_st
       }
       if (c.qc == 0) {
         part_ml[at * 2] = m[hf];
-        part_ml[at * 2 + 1] = l[hf];
+        part_ml[at * 2 + 1] = l;
       }
     }
   }

@@ -91,4 +91,14 @@ __device__ __forceinline__ int clamped_len(const int* seq_lens, int s, int max_l
   return min(max(seq_lens[s], 0), max_len);
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Out-of-contract device data, made loud: a sequence whose seq_lens[s] is negative, past what its block table (or a
+// dense bias) holds, or past a ragged bias's rows (len, the keys the kernel uses, then differs from it), and rows that
+// reach a key in a page outside the cache, are poisoned: their l becomes NaN, so every output element o / l of them is
+// NaN (normalized, common.cuh) and a split-K combine carries the NaN through (0·NaN is NaN). Nothing outside the
+// arrays is read either way; a length of 0 is in contract (zeros). validate=True names the offending argument instead.
+// ---------------------------------------------------------------------------------------------------------------
+__device__ __forceinline__ bool out_of_contract(const int* seq_lens, int s, int len) { return seq_lens[s] != len; }
+__device__ __forceinline__ float poisoned_sum(float l, bool poisoned) { return poisoned ? nan() : l; }
+
 }  // namespace cpa

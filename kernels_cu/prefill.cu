@@ -149,8 +149,10 @@ __global__ void __launch_bounds__(TileLayout<T, HEAD, 0, false, SCORES>::THREADS
   cp_async_wait<0>();  // no copy may still be writing shared memory when the CTA exits
 
   quad_sums(l);
+  // Did any copy of the CTA miss its page (the CTA's rows are then poisoned, paged_cache.cuh)?
+  const bool poisoned = __syncthreads_or(copies.missed_any()) != 0 || out_of_contract(seq_lens, c.s, c.len);
   write_rows<L, T, HEAD>(out, out_stride_t, out_stride_h, part_acc, part_ml, acc, m, l, rows, c, part, total_q,
-                         num_kv_heads, num_parts);
+                         num_kv_heads, num_parts, poisoned);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -200,6 +202,7 @@ __global__ void __launch_bounds__(kSimtThreads) prefill_simt(
   const Cache cache{key_cache, value_cache, cache_block_stride, num_kv_heads, block_shift};
   const int* table = block_tables + s * block_table_stride;
   const int block_mask = (1 << block_shift) - 1;
+  const bool broken = out_of_contract(seq_lens, s, len);  // (paged_cache.cuh: the rows are then NaN)
 
   for (int r = warp; r < kSimtRowsPerCta; r += kSimtThreads / kWarpSize) {
     const int R = m0 + r;
@@ -219,6 +222,7 @@ __global__ void __launch_bounds__(kSimtThreads) prefill_simt(
 
     // m = running max, l = running Σ exp(x − m), acc = running Σ exp(x − m)·v (lane holds columns lane + 32k).
     float m = -inf(), l = 0.0f;
+    bool missing = false;  // a key of the row lies in a page outside the cache
     float acc[DPL];
 #pragma unroll
     for (int k = 0; k < DPL; ++k) acc[k] = 0.0f;
@@ -229,7 +233,10 @@ __global__ void __launch_bounds__(kSimtThreads) prefill_simt(
       for (int t = 0; t < kWarpSize && j0 + t < row_end; ++t) {
         const int j = j0 + t;
         const long long blk = table[j >> block_shift];
-        if (blk < 0 || blk >= num_blocks) continue;  // the same for every lane: masked key
+        if (blk < 0 || blk >= num_blocks) {  // the same for every lane: left out, and the row poisoned
+          missing = true;
+          continue;
+        }
         const int off = j & block_mask;
         float dot = 0.0f;
 #pragma unroll
@@ -268,8 +275,9 @@ __global__ void __launch_bounds__(kSimtThreads) prefill_simt(
         }
       }
     }
+    l = poisoned_sum(l, broken || missing);
     if (num_parts == 1) {
-      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      const float inv = inv_sum(l);
       T* o = out + static_cast<long long>(q0 + i) * out_stride_t + h * out_stride_h;
 #pragma unroll
       for (int k = 0; k < DPL; ++k)

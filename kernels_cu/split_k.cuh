@@ -87,7 +87,7 @@ __device__ __forceinline__ void combine_rows_vec(T* __restrict__ out, long long 
     if (base + threadIdx.x * VEC < elems) {
       T* dst = out + q_row * out_stride_t + h * out_stride_h + d;
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) dst[v] = from_float<T>(r.l > 0.0f ? r.o[v] / r.l : 0.0f);
+      for (int v = 0; v < VEC; ++v) dst[v] = from_float<T>(normalized(r.o[v], r.l));
     }
   }
 }
@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(kCombineThreads) tile_combine(
         __syncthreads();  // merge_s is free for the next element
       }
       if (group == 0 && base + e < rows * HEAD)
-        out[q_row * out_stride_t + h * out_stride_h + d] = from_float<T>(big_l > 0.0f ? o / big_l : 0.0f);
+        out[q_row * out_stride_t + h * out_stride_h + d] = from_float<T>(normalized(o, big_l));
     }
   }
 }
@@ -218,6 +218,8 @@ __global__ void __launch_bounds__(kDecodeCombineThreads) decode_simt_combine(
         l = l * alpha + w * ml.y;
         o = make_float4(o.x * alpha + w * a.x, o.y * alpha + w * a.y, o.z * alpha + w * a.z, o.w * alpha + w * a.w);
         m = m_new;
+      } else {
+        l += ml.y;  // its l is 0, or NaN where the sequence is poisoned (paged_cache.cuh): carried through
       }
     }
     acc_s[g][lane] = o;
@@ -237,7 +239,7 @@ __global__ void __launch_bounds__(kDecodeCombineThreads) decode_simt_combine(
     big_l += w * ml_s[q].y;
     o = make_float4(o.x + w * a.x, o.y + w * a.y, o.z + w * a.z, o.w + w * a.w);
   }
-  const float inv = big_l > 0.0f ? 1.0f / big_l : 0.0f;
+  const float inv = inv_sum(big_l);
   T* dst = out + s * out_stride_s + h * out_stride_h + lane * 4;
   dst[0] = from_float<T>(o.x * inv);
   dst[1] = from_float<T>(o.y * inv);

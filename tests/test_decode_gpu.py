@@ -814,8 +814,13 @@ def test_second_gpu(rng):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Hostile device data: never a fault, whatever the indices say
+# Hostile device data: never a fault, whatever the indices say, and NaN rows for out-of-contract data
 # ---------------------------------------------------------------------------------------------------------------
+def assert_poisoned(out, rows, why):
+    """Every element of ``out[rows]`` is NaN (out-of-contract device data is loud, never a plausible answer)."""
+    assert np.isnan(out[rows].astype(np.float32)).all(), why
+
+
 def check_hostile_launch(args, kwargs, split, spec_bias):
     """The launch a hostile-data test means to reach: the SIMT kernel (``spec_bias`` None) or the tensor-core kernel
     with that bias specialisation, split in partitions exactly when the ``split`` fixture asks for it."""
@@ -830,24 +835,38 @@ def check_hostile_launch(args, kwargs, split, spec_bias):
                          ids=["simt", "tc", "tc-staged"])
 def test_hostile_block_ids_and_lengths_stay_in_bounds(rng, split, dtype, bias_dtype, spec_bias):
     """Block ids outside the cache and lengths negative or far past the block table's capacity, on the SIMT kernel and
-    the tensor-core kernel (a 16-bit bias staged in shared memory too), single pass and split: never a fault."""
+    the tensor-core kernel (a 16-bit bias staged in shared memory too), single pass and split: never a fault; each
+    such sequence's row is NaN, an empty one zeros, the others the reference's."""
     import cupy
 
-    p = make_problem(rng, [400, 300, 200, 100], num_heads=4, num_kv_heads=2, bias="dense", dtype=dtype,
+    p = make_problem(rng, [400, 300, 200, 100, 0], num_heads=4, num_kv_heads=2, bias="dense", dtype=dtype,
                      bias_dtype=bias_dtype)
     tables = p.block_tables.copy()
     tables[0, 1] = -7  # used entries outside [0, num_blocks)
     tables[1, 0] = 2**31 - 1
-    lens = np.array([400, -5, 10**9, 100], np.int32)  # negative and far past the table's capacity
+    lens = np.array([400, -5, 10**9, 100, 0], np.int32)  # negative and far past the table's capacity
     args, kwargs = device_args(p, to_cupy)
     check_hostile_launch(args, kwargs, split, spec_bias)
     args[3], args[4] = cupy.asarray(tables), cupy.asarray(lens)
     out = cpa.paged_attention(*args, **kwargs)
     cupy.cuda.get_current_stream().synchronize()  # an illegal access would raise here
     out = to_numpy(out)
-    assert (out[1] == 0).all(), "a negative length reads nothing"
+    assert_poisoned(out, 0, "a used page outside the cache")
+    assert_poisoned(out, 1, "a negative length")
+    assert_poisoned(out, 2, "a length past the block table")
     assert_close(out[3], paged_attention_ref(*p.args(), **p.kwargs())[3], dtype)
-    assert not np.isnan(out[[0, 3]]).any()
+    assert (out[4] == 0).all(), "an empty sequence gives zeros"
+    # A length past a dense bias shorter than the block table (L = 150 < 400 keys): NaN.
+    args[3] = to_cupy(p.block_tables)
+    bias = kwargs["attn_bias"]
+    kwargs["attn_bias"] = bias[:, :, :150]
+    args[4] = cupy.asarray(np.array([400, 150, 149, 100, 0], np.int32))
+    out = to_numpy(cpa.paged_attention(*args, **kwargs))
+    assert_poisoned(out, 0, "a length past the dense bias")
+    assert not np.isnan(out[1:]).any()
+    kwargs["attn_bias"] = bias
+    args[4] = cupy.asarray(lens)
+    args[3] = cupy.asarray(tables)
 
     # validate=True finds each of them, naming the first offending sequence.
     with pytest.raises(ValueError, match=r"block_tables: sequence 0 uses block id -7, outside \[0, "):
@@ -863,7 +882,7 @@ def test_hostile_block_ids_and_lengths_stay_in_bounds(rng, split, dtype, bias_dt
 def test_hostile_lengths_in_a_ranked_split_grid(rng, tune):
     """A tensor-core tail split taken longest first, with lengths negative and past the block table's capacity and a
     block id outside the cache: the ranking and each sequence's cut into partitions see the clamped lengths, never
-    a fault; a negative length reads nothing and the sequences of valid data get the reference's answer."""
+    a fault; those sequences' rows are NaN and the sequences of valid data get the reference's answer."""
     import cupy
 
     tune(num_sms=2)  # 8 CTAs where 2 SMs hold 6: a tail split
@@ -878,7 +897,7 @@ def test_hostile_lengths_in_a_ranked_split_grid(rng, tune):
     out = cpa.paged_attention(*args, **kwargs)
     cupy.cuda.get_current_stream().synchronize()  # an illegal access would raise here
     out = to_numpy(out)
-    assert (out[1] == 0).all(), "a negative length reads nothing"
+    assert_poisoned(out, [1, 2], "a length negative or past the block table (sequence 2 also uses block -7)")
     assert_close(out[[0, 3]], paged_attention_ref(*p.args(), **p.kwargs())[[0, 3]], "bf16")
 
 
@@ -939,7 +958,10 @@ def test_hostile_ragged_offsets_stay_in_bounds(rng, split, dtype, bias_dtype, sp
         kwargs["attn_bias"] = cpa.RaggedBias(to_cupy(values), cupy.asarray(bad))
         out = to_numpy(cpa.paged_attention(*args, **kwargs))  # an illegal access would raise here
         if bad[0] < 0:
-            assert (out[0] == 0).all() and (out[2] == 0).all(), "a sequence with no rows reads nothing"
+            assert_poisoned(out, [0, 2], "a sequence with no rows")
+        else:
+            assert_poisoned(out, 0, "a sequence whose rows are too few")
+            assert not np.isnan(out[1:]).any()
         with pytest.raises(ValueError, match=r"attn_bias.offsets: sequence 0 has 400 keys but rows"):
             cpa.paged_attention(*args, **kwargs, validate=True)
     kwargs["attn_bias"] = cpa.RaggedBias(to_cupy(values), cupy.asarray(offsets))
