@@ -1,7 +1,7 @@
-"""The examples as subprocesses: the serving loop on the CPU (NumPy path), small and fast, ending with its check line;
-an example that cannot run here says why and exits 3, or 0 with --skip-missing; on a GPU, each quickstart checks its
-result against the float64 reference and prints OK (the serving loop and T5 generation run there in
-benchmarks/gpu.sh, at full size)."""
+"""The examples as subprocesses: the serving loop and transformers' continuous batching on the CPU (NumPy path), small
+and fast, each ending with its check line; an example that cannot run here says why and exits 3, or 0 with
+--skip-missing; on a GPU, each quickstart checks its result against the float64 reference and prints OK (the serving
+loop and T5 generation run there in benchmarks/gpu.sh, at full size)."""
 
 from __future__ import annotations
 
@@ -30,11 +30,23 @@ def test_serving_loop_on_the_cpu():
     assert last.startswith("serving loop: ") and last.endswith(" OK"), done.stdout
 
 
+def test_transformers_serving_on_the_cpu():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers", minversion="5")
+    done = run_example("examples/transformers_serving.py", "--cpu", "--requests", "5", "--tokens", "8")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert "tokens identical to sdpa: True" in done.stdout and lines[-1] == "OK", done.stdout
+    gpu_only = run_example("examples/transformers_serving.py", "--cpu", "--preset", "1b")
+    assert gpu_only.returncode == 3 and "--preset 1b needs a CUDA GPU" in gpu_only.stderr, gpu_only.stderr
+
+
 @pytest.mark.parametrize("example", ["tensor_parallel", "quickstart_torch", "quickstart_jax", "quickstart_cupy",
-                                     "t5_generate"])
+                                     "t5_generate", "transformers_serving"])
 def test_an_example_that_cannot_run_says_why(example):
-    if example == "t5_generate" and all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
-        pytest.skip("t5_generate runs here (on the CPU without a GPU): test_t5_cpu.py covers it")
+    if example in ("t5_generate", "transformers_serving") and all(
+            importlib.util.find_spec(m) for m in ("torch", "transformers")):
+        pytest.skip(f"{example} runs here (on the CPU without a GPU): tested on the CPU")
     done = run_example(f"examples/{example}.py")
     if done.returncode == 0:
         pytest.skip(f"{example} runs here (it needs a GPU command)")
