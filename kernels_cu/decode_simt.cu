@@ -191,10 +191,6 @@ decode_simt(
   const typename Bias::Seq seq_bias = bias.seq(s);
   // Keys of this sequence: seq_lens[s] within the block table (and a dense bias), and within a ragged bias's rows.
   const int len = seq_bias.limit(clamped_len(seq_lens, s, max_len));
-  // Whether the sequence's length breaks the contract (its rows are then NaN, paged_cache.cuh): read back in the
-  // epilogue, after the loop's barriers, from shared memory (in a register across the loop it spilled).
-  __shared__ bool broken_s;
-  if (tid == 0) broken_s = out_of_contract(seq_lens, s, len);
   int end = min(start + tokens_per_part, len);
   // With a sliding window (the score options) the keys from lo = len − 1 − window_left on are keys: the partitions cut
   // them from the tile holding lo (pages wholly before it are never read), and the last one takes every key left (the
@@ -247,18 +243,10 @@ decode_simt(
 
   auto k_s = [&](int st, int t, int c) -> uint4* { return &stage_s[(st * 2 * TILE + t) * NVEC + c]; };
   auto v_s = [&](int st, int t, int c) -> uint4* { return &stage_s[((st * 2 + 1) * TILE + t) * NVEC + c]; };
-  // What token j of a tile is, in key_s: kNoKey past the partition's keys (or before the window), else kKey, or
-  // kMissingKey where its block id lies outside the cache. Such a page is never dereferenced; the key's logit is +inf,
-  // which makes l, and so every output of the CTA's rows, NaN (poisoned, paged_cache.cuh; validate=True reports it).
-  // Kept in the flags rather than in a register across the loop, which spilled in the 80-register kernels.
-  constexpr unsigned char kNoKey = 0, kKey = 1, kMissingKey = 2;
-  auto key_kind = [&](int j, int blk) -> unsigned char {
-    if (j >= end || (SCORES && j < lo)) return kNoKey;
-    return static_cast<unsigned>(blk) < static_cast<unsigned>(num_blocks) ? kKey : kMissingKey;
-  };
-  auto masked = [&](unsigned char kind, float x) -> float {
-    return kind == kKey ? x : kind == kNoKey ? -inf() : inf();
-  };
+  // A block id outside the cache is never dereferenced: the key is skipped, and the CTA's rows poisoned (below;
+  // validate=True reports it).
+  auto in_cache = [&](int blk) -> bool { return static_cast<unsigned>(blk) < static_cast<unsigned>(num_blocks); };
+  auto is_key = [&](int j, int blk) -> bool { return j < end && (!SCORES || j >= lo) && in_cache(blk); };
   // Where this thread's copies go within a page: vector idx = tid + k·kDecodeThreads of a tile is token
   // idx / NVEC, vector c = idx % NVEC, at page_offset(0, kvh, c) + (token's offset in its page)·token_stride.
   // Kept from here so that a copy's address is one multiply-add and the page's 64-bit offset.
@@ -295,13 +283,12 @@ decode_simt(
         const int c = idx % NVEC;
         const int j = t0 + t;
         const int blk = cblk_r[st][k];
-        const unsigned char kind = key_kind(j, blk);
-        const bool copy = kind == kKey;
+        const bool copy = is_key(j, blk);
         const int off = j & block_mask;
         // The page's offset, the same in both caches (0 for a token that is no key: its copy reads nothing).
         const long long at = copy ? cache.element_offset(blk, off * token_stride + copy_at[k]) : 0;
         cp_async16(k_s(st, t, c), key_cache + at, copy ? kVecBytes : 0);
-        if (c == 0) key_s[st * TILE + t] = kind;
+        if (c == 0) key_s[st * TILE + t] = copy;
         if constexpr (Cache::kValueIsVector) {
           cp_async16(v_s(st, t, c), value_cache + at, copy ? kVecBytes : 0);
         } else {
@@ -359,6 +346,24 @@ decode_simt(
   for (int t = 0; t < kAhead; ++t) issue(t, start + t * TILE);
 #pragma unroll
   for (int t = kAhead; t < 2 * kAhead; ++t) fetch_ids(t % kStages, start + t * TILE);
+  // ---- Out-of-contract data poisons the CTA's rows (NaN, paged_cache.cuh): a length the kernel cannot use as it is,
+  // or a page of the partition's keys outside the cache. Checked once, while the first copies are in flight, from
+  // the block ids again (L2-resident), each warp's verdict in its own flag (written once: no initialisation, no
+  // barrier), read in the epilogue. The loop runs as for valid data: flags carried through it cost registers that
+  // the 80-register kernels spilled (+15 % on B64 H16/16 d64 L2048 with a ragged bias, H200).
+  __shared__ __align__(8) unsigned char bad_s[kDecodeThreads / kWarpSize];
+  static_assert(sizeof(bad_s) == 8, "the warps' flags are one 8-byte word");
+  {
+    bool bad = tid == 0 && out_of_contract(seq_lens, s, len);
+    const int last = (end - 1) >> block_shift;  // (end <= start: no page)
+    for (int i = ((SCORES ? max(start, lo) : start) >> block_shift) + tid; i <= last && end > start;
+         i += kDecodeThreads) {
+      bad = bad || !in_cache(table[i]);
+    }
+    const bool warp_bad = __any_sync(0xffffffffu, bad);
+    if (tid % kWarpSize == 0) bad_s[tid / kWarpSize] = warp_bad;
+  }
+
   if constexpr (Bias::kNearTable) {
     if (whole_column) {  // the near table gathered from the column in shared memory: one round trip to the table
       if (tid < kT5NearDistances) {
@@ -426,14 +431,14 @@ decode_simt(
           if (tx == k % TX) {
             float extra = slope * static_cast<float>(t0 + t - len + 1);
             if constexpr (Bias::enabled) extra += bias.value(bias_r[st][k / TX]);
-            own = masked(key_s[st * TILE + t], fmaf(extra, kLog2e, capped));
+            own = key_s[st * TILE + t] ? fmaf(extra, kLog2e, capped) : -inf();
           }
           x[k] = __shfl_sync(0xffffffffu, own, k % TX, TX);
         } else {
           if (tx == k % TX) {
             float extra = slope * static_cast<float>(t0 + t - len + 1);
             if constexpr (Bias::enabled) extra += bias.value(bias_r[st][k / TX]);
-            dot = masked(key_s[st * TILE + t], fmaf(extra, kLog2e, dot));
+            dot = key_s[st * TILE + t] ? fmaf(extra, kLog2e, dot) : -inf();
           }
           x[k] = group_sum<TX>(dot);
         }
@@ -490,8 +495,7 @@ decode_simt(
   constexpr int kSlotsPerWarp = kSlotLanes < kWarpSize ? kWarpSize / kSlotLanes : 1;
   constexpr int TZW = TZ / kSlotsPerWarp;  // slots left after the warp step: one per warp, or TZ (< 8) if fewer
   cp_async_wait<0>();  // copies issued past the end still write zeros into the stages
-  __syncthreads();     // every thread is done with the stages before the epilogue overwrites them (and broken_s
-                       // is visible, also where the loop ran no tile)
+  __syncthreads();     // every thread is done with the stages before the epilogue overwrites them (bad_s is set)
   float* acc_s = reinterpret_cast<float*>(stage_s);  // [TZW][HG][HEAD]
   float* ml_s = acc_s + TZW * HG * HEAD;             // [TZW][HG][2]
   [[maybe_unused]] float* mine_s = ml_s + TZW * HG * 2;   // CLUSTER: this CTA's combined acc, [HG][HEAD]
@@ -548,7 +552,7 @@ decode_simt(
       big_l += ml_s[(z * HG + g) * 2 + 1];
       o += acc_s[(z * HG + g) * HEAD + d];
     }
-    big_l = poisoned_sum(big_l, broken_s);
+    big_l = poisoned_sum(big_l, *reinterpret_cast<const unsigned long long*>(bad_s) != 0ull);
     const int hh = head0 + g;
     if constexpr (CLUSTER) {
       mine_s[i] = o;
