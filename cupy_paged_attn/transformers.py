@@ -72,7 +72,7 @@ try:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 except ImportError as error:  # transformers missing, or a 4.x without these names
     raise ImportError(
-        "cupy_paged_attn.transformers needs torch and transformers >= 5 (continuous batching with "
+        "cupy_paged_attn.transformers needs torch and transformers >= 5.24 (continuous batching with "
         f"AttentionInterface): {error}"
     ) from error
 
@@ -81,9 +81,21 @@ from . import torch as _ops
 
 __all__ = ["NAME", "attention_forward", "enable"]
 
-if int(transformers.__version__.split(".")[0]) < 5:
+#: The first transformers release whose continuous batching calls the attention function as this module expects
+#: (the cache written and each layer's cu_seq_lens_k picked before the call; no "paged|" prefix). Tested on 5.24 and
+#: 5.25; 5.23 and 5.19 give wrong tokens with this module, 5.17 passes the cache object to a "paged|" implementation.
+_MIN_TRANSFORMERS = "5.24"
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+if _release(transformers.__version__) < _release(_MIN_TRANSFORMERS):
     raise ImportError(
-        f"cupy_paged_attn.transformers needs transformers >= 5 (continuous batching), got {transformers.__version__}"
+        f"cupy_paged_attn.transformers needs transformers >= {_MIN_TRANSFORMERS} (continuous batching that calls the "
+        f"attention function with the cache written), got {transformers.__version__}"
     )
 
 NAME = "flash_cupy_paged"

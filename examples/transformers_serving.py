@@ -11,7 +11,7 @@ and generates greedily with ``model.generate_batch`` twice: with ``attn_implemen
 warm-up run (compilation, CUDA graphs). Prints tokens/s of both and their ratio, then the check: in float32 the
 tokens must be identical; in bfloat16 the two attentions round differently, so a near-tie can send a request down
 another path: the first token of every request must match and at least ``MIN_SAME_FRACTION`` of all tokens. Ends
-with "OK", or exits 1 with "FAILED: ...". Needs torch and transformers >= 5 (exits 3 with "cannot run: ..."
+with "OK", or exits 1 with "FAILED: ...". Needs torch and transformers >= 5.24 (exits 3 with "cannot run: ..."
 without them; 0 with ``--skip-missing``).
 """
 
@@ -64,8 +64,10 @@ def skip_reason(preset: str, cuda: bool) -> str | None:
             return f"{module} is not installed"
     import transformers
 
-    if int(transformers.__version__.split(".")[0]) < 5:
-        return f"transformers >= 5 is needed (continuous batching), found {transformers.__version__}"
+    parts = transformers.__version__.split(".")[:2]
+    release = tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in parts)
+    if release < (5, 24):
+        return f"transformers >= 5.24 is needed (its continuous batching), found {transformers.__version__}"
     if preset == "1b" and not cuda:
         return "--preset 1b needs a CUDA GPU (on the CPU, use the tiny preset)"
     return None

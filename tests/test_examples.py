@@ -32,7 +32,7 @@ def test_serving_loop_on_the_cpu():
 
 def test_transformers_serving_on_the_cpu():
     pytest.importorskip("torch")
-    pytest.importorskip("transformers", minversion="5")
+    pytest.importorskip("transformers", minversion="5.24")
     done = run_example("examples/transformers_serving.py", "--cpu", "--requests", "5", "--tokens", "8")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -21,7 +22,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers", minversion="5")
+transformers = pytest.importorskip("transformers", minversion="5.24")
 
 import cupy_paged_attn.torch as ops  # noqa: E402  (needs torch)
 import cupy_paged_attn.transformers as cpt  # noqa: E402  (needs transformers)
@@ -301,11 +302,12 @@ def test_the_attention_refuses_sinks_and_dropout():
     assert torch.isfinite(packed(s_aux=None)[0]).all()
 
 
-def test_transformers_4_is_refused_at_import(monkeypatch):
+@pytest.mark.parametrize("version", ["4.57.1", "5.23.0"])
+def test_older_transformers_is_refused_at_import(monkeypatch, version):
     # the module object in sys.modules, which transformers may have replaced since this file imported it
-    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", version)
     monkeypatch.delitem(sys.modules, "cupy_paged_attn.transformers")
-    with pytest.raises(ImportError, match=r"needs transformers >= 5 .*, got 4\.57\.1"):
+    with pytest.raises(ImportError, match=rf"needs transformers >= 5\.24 .*, got {re.escape(version)}"):
         importlib.import_module("cupy_paged_attn.transformers")
 
 
