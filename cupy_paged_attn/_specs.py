@@ -55,8 +55,8 @@ DECODE_SIMT_THREADS = 256  # kDecodeThreads
 #: Query heads one CTA serves (the group rounded up to these; a larger group takes several CTAs).
 HEADS_PER_CTA = (1, 2, 4, 8)
 #: DecodeLayout::kSmemBytes: kStages x (K, V) x kVecsPerThread x 16 B of stages, then kStages x kMaxDecodeTile key
-#: flags.
-DECODE_SIMT_SMEM_BYTES = 3 * 2 * 2 * DECODE_SIMT_THREADS * 16 + 3 * 128
+#: flags, then 16 B of the warps' out-of-contract flags.
+DECODE_SIMT_SMEM_BYTES = 3 * 2 * 2 * DECODE_SIMT_THREADS * 16 + 3 * 128 + 16
 DECODE_SIMT_TILE_MULTIPLE = 128  # every specialisation's TILE divides this
 DECODE_T5_NEAR_DISTANCES = 128  # kT5NearDistances (bias.cuh)
 DECODE_COMBINE_THREADS = 128  # kDecodeCombineThreads (split_k.cuh)

@@ -74,7 +74,9 @@ struct DecodeLayout {
   static constexpr int kStageBytes = kStages * 2 * kStageVecs * kVecBytes;
   // After the stages, one byte per token and stage: the token is a key (set by the thread that copies its first
   // vector, read by the lane that adds its bias). Sized for the largest tile, so every specialisation asks the same.
-  static constexpr int kSmemBytes = kStageBytes + kStages * kMaxDecodeTile;
+  // Then each warp's out-of-contract flag, in 16 bytes.
+  static constexpr int kFlagsOffset = kStageBytes + kStages * kMaxDecodeTile;
+  static constexpr int kSmemBytes = kFlagsOffset + 16;
   // With a T5 bias, then the near-weight table of each head, [HG][kT5NearDistances] raw bits (T5Bias::Seq::Row),
   // the column of the bias table it is gathered from, [HG][kT5NearDistances] (buckets of the keys' side), and the
   // CTA's sequence when ranked longest first (an int, in 16 bytes).
@@ -83,6 +85,7 @@ struct DecodeLayout {
   static_assert(TX * HG <= kDecodeThreads && TPT >= 1 && TILE % TZ == 0, "every thread owns whole tokens");
   static_assert(TILE * NVEC <= kStageVecs, "a tile fits its stage");
   static_assert(TILE <= kMaxDecodeTile, "a tile's key flags fit theirs");
+  static_assert(kFlagsOffset % 8 == 0 && kDecodeThreads / kWarpSize == 8, "the warps' flags are one 8-byte word");
   static_assert((TZ * HG * HEAD + 2 * TZ * HG) * 4 <= kStageBytes, "the epilogue reuses the stage buffers");
   // A cluster-combined CTA's (acc, m, l) of each head, [HG][HEAD] then [HG][2], past the epilogue's buffers.
   static_assert(((TZ + 1) * HG * HEAD + 2 * (TZ + 1) * HG) * 4 <= kStageBytes, "the cluster's partials fit too");
@@ -349,10 +352,11 @@ decode_simt(
   // ---- Out-of-contract data poisons the CTA's rows (NaN, paged_cache.cuh): a length the kernel cannot use as it is,
   // or a page of the partition's keys outside the cache. Checked once, while the first copies are in flight, from
   // the block ids again (L2-resident), each warp's verdict in its own flag (written once: no initialisation, no
-  // barrier), read in the epilogue. The loop runs as for valid data: flags carried through it cost registers that
-  // the 80-register kernels spilled (+15 % on B64 H16/16 d64 L2048 with a ragged bias, H200).
-  __shared__ __align__(8) unsigned char bad_s[kDecodeThreads / kWarpSize];
-  static_assert(sizeof(bad_s) == 8, "the warps' flags are one 8-byte word");
+  // barrier), read in the epilogue. The loop runs as for valid data (a flag carried through it costs registers in the
+  // 80-register kernels). The flags sit in the dynamic shared memory, after the key flags: static shared memory in
+  // this kernel has slowed its unchanged loop before (docs/performance.md, "Open questions"), and a first version
+  // with a 1-byte static flag and the key flags above carrying the verdict ran +15 % on B64 H16/16 d64 L2048 with a
+  // ragged bias (H200).
   {
     bool bad = tid == 0 && out_of_contract(seq_lens, s, len);
     const int last = (end - 1) >> block_shift;  // (end <= start: no page)
@@ -361,7 +365,9 @@ decode_simt(
       bad = bad || !in_cache(table[i]);
     }
     const bool warp_bad = __any_sync(0xffffffffu, bad);
-    if (tid % kWarpSize == 0) bad_s[tid / kWarpSize] = warp_bad;
+    if (tid % kWarpSize == 0) {
+      (reinterpret_cast<unsigned char*>(stage_s) + L::kFlagsOffset)[tid / kWarpSize] = warp_bad;
+    }
   }
 
   if constexpr (Bias::kNearTable) {
@@ -495,7 +501,13 @@ decode_simt(
   constexpr int kSlotsPerWarp = kSlotLanes < kWarpSize ? kWarpSize / kSlotLanes : 1;
   constexpr int TZW = TZ / kSlotsPerWarp;  // slots left after the warp step: one per warp, or TZ (< 8) if fewer
   cp_async_wait<0>();  // copies issued past the end still write zeros into the stages
-  __syncthreads();     // every thread is done with the stages before the epilogue overwrites them (bad_s is set)
+  __syncthreads();     // every thread is done with the stages before the epilogue overwrites them (the warps'
+                       // out-of-contract flags are set)
+  // The warps' flags, as one word (kFlagsOffset: a nonzero byte poisons the CTA's rows).
+  auto bad_flags = [&]() -> unsigned long long {
+    const unsigned char* flags = reinterpret_cast<const unsigned char*>(stage_s) + L::kFlagsOffset;
+    return *reinterpret_cast<const unsigned long long*>(flags);
+  };
   float* acc_s = reinterpret_cast<float*>(stage_s);  // [TZW][HG][HEAD]
   float* ml_s = acc_s + TZW * HG * HEAD;             // [TZW][HG][2]
   [[maybe_unused]] float* mine_s = ml_s + TZW * HG * 2;   // CLUSTER: this CTA's combined acc, [HG][HEAD]
@@ -552,7 +564,7 @@ decode_simt(
       big_l += ml_s[(z * HG + g) * 2 + 1];
       o += acc_s[(z * HG + g) * HEAD + d];
     }
-    big_l = poisoned_sum(big_l, *reinterpret_cast<const unsigned long long*>(bad_s) != 0ull);
+    big_l = poisoned_sum(big_l, bad_flags() != 0ull);
     const int hh = head0 + g;
     if constexpr (CLUSTER) {
       mine_s[i] = o;
