@@ -354,9 +354,8 @@ decode_simt(
   // the block ids again (L2-resident), each warp's verdict in its own flag (written once: no initialisation, no
   // barrier), read in the epilogue. The loop runs as for valid data (a flag carried through it costs registers in the
   // 80-register kernels). The flags sit in the dynamic shared memory, after the key flags: static shared memory in
-  // this kernel has slowed its unchanged loop before (docs/performance.md, "Open questions"), and a first version
-  // with a 1-byte static flag and the key flags above carrying the verdict ran +15 % on B64 H16/16 d64 L2048 with a
-  // ragged bias (H200).
+  // this kernel has slowed its unchanged loop (docs/performance.md, "Open questions"); a 1-byte static flag with the
+  // key flags carrying a missing page into the loop ran +15 % on B64 H16/16 d64 L2048 with a ragged bias (H200).
   {
     bool bad = tid == 0 && out_of_contract(seq_lens, s, len);
     const int last = (end - 1) >> block_shift;  // (end <= start: no page)
