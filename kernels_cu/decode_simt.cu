@@ -135,6 +135,8 @@ decode_simt(
   extern __shared__ uint4 stage_s[];  // [kStages][K, V][TILE][NVEC]; then the epilogue's [TZW][HG][HEAD + 2]
   // [kStages][TILE]: token t of the tile in stage st is a key (in the sequence, and its block id in the cache).
   unsigned char* key_s = reinterpret_cast<unsigned char*>(stage_s) + L::kStageBytes;
+  // Each warp's out-of-contract flag (set before the loop, read in the epilogue): a nonzero byte poisons the rows.
+  auto bad_flags = [&]() -> unsigned char* { return reinterpret_cast<unsigned char*>(stage_s) + L::kFlagsOffset; };
   // T5 only, [HG][kT5NearDistances]: head g's weight bits of the keys at distance d < kT5NearDistances before the
   // query; then [HG][kT5NearDistances]: head g's weight bits of bucket b (b below the buckets of the keys' side);
   // then the CTA's sequence when ranked (seq_late, below).
@@ -365,7 +367,7 @@ decode_simt(
     }
     const bool warp_bad = __any_sync(0xffffffffu, bad);
     if (tid % kWarpSize == 0) {
-      (reinterpret_cast<unsigned char*>(stage_s) + L::kFlagsOffset)[tid / kWarpSize] = warp_bad;
+      bad_flags()[tid / kWarpSize] = warp_bad;
     }
   }
 
@@ -502,11 +504,6 @@ decode_simt(
   cp_async_wait<0>();  // copies issued past the end still write zeros into the stages
   __syncthreads();     // every thread is done with the stages before the epilogue overwrites them (the warps'
                        // out-of-contract flags are set)
-  // The warps' flags, as one word (kFlagsOffset: a nonzero byte poisons the CTA's rows).
-  auto bad_flags = [&]() -> unsigned long long {
-    const unsigned char* flags = reinterpret_cast<const unsigned char*>(stage_s) + L::kFlagsOffset;
-    return *reinterpret_cast<const unsigned long long*>(flags);
-  };
   float* acc_s = reinterpret_cast<float*>(stage_s);  // [TZW][HG][HEAD]
   float* ml_s = acc_s + TZW * HG * HEAD;             // [TZW][HG][2]
   [[maybe_unused]] float* mine_s = ml_s + TZW * HG * 2;   // CLUSTER: this CTA's combined acc, [HG][HEAD]
@@ -563,7 +560,7 @@ decode_simt(
       big_l += ml_s[(z * HG + g) * 2 + 1];
       o += acc_s[(z * HG + g) * HEAD + d];
     }
-    big_l = poisoned_sum(big_l, bad_flags() != 0ull);
+    big_l = poisoned_sum(big_l, *reinterpret_cast<const unsigned long long*>(bad_flags()) != 0ull);  // all 8
     const int hh = head0 + g;
     if constexpr (CLUSTER) {
       mine_s[i] = o;
