@@ -62,7 +62,8 @@ def prefill_times(tree: str, reps: int, log: list[str]) -> dict[tuple[str, str],
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("trees", nargs=2, metavar=("OLD", "NEW"))
+    parser.add_argument("old", metavar="OLD", help="the source tree to compare against")
+    parser.add_argument("new", metavar="NEW", help="the source tree under test")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--decode-cases", default="0,2,3,4,6,8,11", help="bench_decode.py's case indices")
     parser.add_argument("--reps", type=int, default=20)
@@ -71,7 +72,7 @@ def main() -> int:
     parser.add_argument("--no-host", action="store_true", help="skip host_ab.py")
     parser.add_argument("--out", metavar="DIR", help="write DIR/ab-runs.log (every run's output)")
     args = parser.parse_args()
-    old, new = args.trees
+    old, new = args.old, args.new
     times: dict[str, dict[tuple[str, str, str], list[float]]] = {old: defaultdict(list), new: defaultdict(list)}
     log: list[str] = []
     for r in range(args.rounds):
