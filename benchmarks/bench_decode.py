@@ -19,6 +19,9 @@ Implementations, per case (bf16 or fp16, ``block_size`` 16, ``kv_layout="nhd"``,
     ``ours+dense``   the same with ``attn_bias=bias``, a dense ``[B, Hq, L]`` bias of the query's dtype.
     ``ours+ragged``  ``attn_bias=RaggedBias(values, offsets)``: the same bias entries, packed as
                      ``values[offsets[s] + j, h]`` (``[sum(seq_lens), Hq]``, contiguous).
+    ``ours+dense-f32``, ``ours+ragged-f32``
+                     the same two biases in float32 (``torch.randn``'s default dtype, and a float32 model's):
+                     the same values, twice the bytes.
     ``ours+t5``      ``attn_bias=RelativePositionBias(table, bidirectional=False)``: T5's bias computed in the
                      kernel from a ``[32, Hq]`` table (default scale kept: it does not change the speed).
                      The two rows above run only where ``cupy_paged_attn`` has ``RaggedBias`` /
@@ -106,12 +109,16 @@ ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}  # max |row - what it is checked against|
 T5_NUM_BUCKETS, T5_MAX_DISTANCE = 32, 128
 
-# Implementations, in table order: (name, bias kind). Bias kinds: "none", "dense", "ragged", "t5".
-OURS = (("ours", "none"), ("ours+dense", "dense"), ("ours+ragged", "ragged"), ("ours+t5", "t5"))
+# Implementations, in table order: (name, bias kind, one of BIAS_KINDS).
+OURS = (("ours", "none"), ("ours+dense", "dense"), ("ours+ragged", "ragged"), ("ours+dense-f32", "dense-f32"),
+        ("ours+ragged-f32", "ragged-f32"), ("ours+t5", "t5"))
+#: Bias kinds: the bias's entries a kind reads, and their bytes (the f32 kinds: the query dtype's values in float32).
+BIAS_KINDS = ("none", "dense", "ragged", "dense-f32", "ragged-f32", "t5")
 PEERS = (("sdpa", "dense"), ("flex", "dense"), ("flex-nobias", "none"))
-NEEDS_API = {"ours+ragged": "RaggedBias", "ours+t5": "RelativePositionBias"}
+NEEDS_API = {"ours+ragged": "RaggedBias", "ours+ragged-f32": "RaggedBias", "ours+t5": "RelativePositionBias"}
 #: The output each row's output is checked against ("ours+t5-dense": ours with t5_position_bias's dense bias).
-CHECK_AGAINST = {"ours+ragged": "ours+dense", "ours+t5": "ours+t5-dense", "sdpa": "ours+dense", "flex": "ours+dense",
+CHECK_AGAINST = {"ours+ragged": "ours+dense", "ours+dense-f32": "ours+dense", "ours+ragged-f32": "ours+dense",
+                 "ours+t5": "ours+t5-dense", "sdpa": "ours+dense", "flex": "ours+dense",
                  "flex-nobias": "ours"}
 #: Our row each peer's time is compared with (the same bias).
 COMPARE_WITH = {"sdpa": "ours+dense", "flex": "ours+dense", "flex-nobias": "ours"}
@@ -491,6 +498,7 @@ class InputSet:
     offsets : ``[B + 1]``, int32: where each sequence's rows start in ``ragged_values``
     t5_table : ``[32, Hq]``, case dtype: T5's ``relative_attention_bias.weight`` (shared by all sets)
     ragged_bias : ``RaggedBias(ragged_values, offsets)``, made by the ``ours+ragged`` row
+    bias_f32, ragged_bias_f32 : ``bias`` and ``ragged_bias`` in float32, made by the ``-f32`` rows
     t5_bias : ``RelativePositionBias(t5_table, bidirectional=False)``, made by the ``ours+t5`` row
     """
 
@@ -505,14 +513,21 @@ class InputSet:
     offsets: Any
     t5_table: Any = None
     ragged_bias: Any = None
+    bias_f32: Any = None
+    ragged_bias_f32: Any = None
     t5_bias: Any = None
 
     def make_bias_object(self, kind: str) -> None:
-        """Wrap the ragged values (``"ragged"``) or the T5 table (``"t5"``) in the library's bias class."""
+        """Wrap the ragged values (``"ragged"``) or the T5 table (``"t5"``) in the library's bias class; the float32
+        copies of the bias for the ``-f32`` kinds."""
         import cupy_paged_attn
 
         if kind == "ragged":
             self.ragged_bias = cupy_paged_attn.RaggedBias(self.ragged_values, self.offsets)
+        elif kind == "dense-f32":
+            self.bias_f32 = self.bias.float()
+        elif kind == "ragged-f32":
+            self.ragged_bias_f32 = cupy_paged_attn.RaggedBias(self.ragged_values.float(), self.offsets)
         elif kind == "t5":
             self.t5_bias = cupy_paged_attn.RelativePositionBias(
                 self.t5_table, num_buckets=T5_NUM_BUCKETS, max_distance=T5_MAX_DISTANCE, bidirectional=False)
@@ -600,8 +615,11 @@ def ragged_values(bias: Any, seq_lens: list[int]) -> Any:
 
 
 def bias_bytes(case: Case, seq_lens: list[int], kind: str) -> int:
-    """Bytes of the bias a row must read: the used entries for ``"dense"`` and ``"ragged"``, else 0."""
-    return sum(seq_lens) * case.num_heads * case.itemsize if kind in ("dense", "ragged") else 0
+    """Bytes of the bias a row must read: the used entries for the dense and ragged kinds (4 bytes each for the
+    ``-f32`` kinds), else 0."""
+    if kind in ("dense", "ragged"):
+        return sum(seq_lens) * case.num_heads * case.itemsize
+    return sum(seq_lens) * case.num_heads * 4 if kind in ("dense-f32", "ragged-f32") else 0
 
 
 def floor_bytes(case: Case, seq_lens: list[int], kind: str) -> int:
@@ -611,7 +629,7 @@ def floor_bytes(case: Case, seq_lens: list[int], kind: str) -> int:
     ----------
     case : Case
     seq_lens : list of int
-    kind : {"none", "dense", "ragged", "t5"}
+    kind : one of BIAS_KINDS
         The bias kind.
 
     Returns
@@ -626,11 +644,13 @@ def floor_bytes(case: Case, seq_lens: list[int], kind: str) -> int:
 
 
 def input_bytes(case: Case, seq_lens: list[int], num_sets: int, flex: bool) -> int:
-    """Device memory of a case's inputs: caches, per-set bias (dense and packed) and FlexAttention's K/V."""
+    """Device memory of a case's inputs: caches, per-set bias (dense and packed, in the case's dtype and in
+    float32) and FlexAttention's K/V."""
     own = case.own_caches(num_sets)
     caches = case.cache_bytes() * (num_sets if own else 1)
-    biases = num_sets * (case.batch * case.num_heads * case.max_len * case.itemsize + bias_bytes(case, seq_lens,
-                                                                                                 "ragged"))
+    dense = case.batch * case.num_heads * case.max_len
+    biases = num_sets * (dense * (case.itemsize + 4) + bias_bytes(case, seq_lens, "ragged") +
+                         bias_bytes(case, seq_lens, "ragged-f32"))
     dense_kv = 2 * case.batch * case.num_kv_heads * case.max_len * case.head_size * case.itemsize
     return caches + biases + (dense_kv * (num_sets if own else 1) if flex else 0)
 
@@ -660,7 +680,8 @@ def ours(s: InputSet, attn_bias: Any, out: Any = None) -> Any:
 
 def bias_argument(s: InputSet, kind: str) -> Any:
     """The ``attn_bias`` of ``s`` for a bias kind."""
-    return {"none": None, "dense": s.bias, "ragged": s.ragged_bias, "t5": s.t5_bias}[kind]
+    return {"none": None, "dense": s.bias, "ragged": s.ragged_bias, "dense-f32": s.bias_f32,
+            "ragged-f32": s.ragged_bias_f32, "t5": s.t5_bias}[kind]
 
 
 def ours_call(kind: str) -> Call:
@@ -991,7 +1012,7 @@ def run_case(index: int, case: Case, args: argparse.Namespace, timer: Timer, api
     return {
         "index": index, "name": case.name, "case": asdict(case), "block_size": BLOCK_SIZE, "kv_layout": KV_LAYOUT,
         "seq_lens": seq_lens, "seq_lens_sum": sum(seq_lens), "num_sets": num_sets, "own_caches": own_caches,
-        "floor_bytes": {kind: floor_bytes(case, seq_lens, kind) for kind in ("none", "dense", "ragged", "t5")},
+        "floor_bytes": {kind: floor_bytes(case, seq_lens, kind) for kind in BIAS_KINDS},
         "timings": timings, "seconds": time.perf_counter() - start,
     }
 
@@ -1218,20 +1239,20 @@ def dry_run(args: argparse.Namespace) -> int:
     elif missing:
         print(f"absent from cupy_paged_attn (rows left out): {', '.join(missing)}")
     bps = args.copy_gbps * 1e9
-    header = ("#", "case", "sets", "tokens", "K+V MB", "bias MB", "floor µs: no bias", "dense, ragged", "t5",
-              "inputs GB")
+    header = ("#", "case", "sets", "tokens", "K+V MB", "bias MB", "floor µs: no bias", "dense, ragged", "f32 bias",
+              "t5", "inputs GB")
     lines = []
     for index in args.cases:
         case = CASES[index]
         seq_lens = draw_seq_lens(case, args.seed + index)
         num_sets = case.num_sets(args.sets)
         tokens = sum(seq_lens)
-        floors = {kind: floor_bytes(case, seq_lens, kind) for kind in ("none", "dense", "ragged", "t5")}
+        floors = {kind: floor_bytes(case, seq_lens, kind) for kind in BIAS_KINDS}
         lines.append((
             str(index), case.name, str(num_sets), str(tokens),
             f"{tokens * case.num_kv_heads * case.head_size * 2 * case.itemsize / 1e6:.1f}",
             f"{bias_bytes(case, seq_lens, 'dense') / 1e6:.1f}",
-            *(f"{1e6 * floors[kind] / bps:.1f}" for kind in ("none", "dense", "t5")),
+            *(f"{1e6 * floors[kind] / bps:.1f}" for kind in ("none", "dense", "dense-f32", "t5")),
             f"{input_bytes(case, seq_lens, num_sets, any(i.startswith('flex') for i, _ in impls)) / 1e9:.2f}",
         ))
     print(f"floors at {args.copy_gbps:.0f} GB/s (pass --copy-gbps to change):")

@@ -81,6 +81,8 @@ def test_floor_bytes(bench):
     assert bench.floor_bytes(case, lens, "dense") == kv + q_out + tables + 64 * 16 * 2048 * 2
     assert bench.floor_bytes(case, lens, "ragged") == bench.floor_bytes(case, lens, "dense")
     assert bench.floor_bytes(case, lens, "t5") == bench.floor_bytes(case, lens, "none")
+    assert bench.floor_bytes(case, lens, "dense-f32") == kv + q_out + tables + 64 * 16 * 2048 * 4
+    assert bench.floor_bytes(case, lens, "ragged-f32") == bench.floor_bytes(case, lens, "dense-f32")
 
 
 def test_ragged_lengths_are_seeded_and_in_range(bench):
@@ -92,9 +94,10 @@ def test_ragged_lengths_are_seeded_and_in_range(bench):
 
 def test_planned_rows(bench):
     all_rows = [impl for impl, _ in bench.planned_impls(["sdpa", "flex", "flex-nobias"], ALL_API)]
-    assert all_rows == ["ours", "ours+dense", "ours+ragged", "ours+t5", "sdpa", "flex", "flex-nobias"]
+    assert all_rows == ["ours", "ours+dense", "ours+ragged", "ours+dense-f32", "ours+ragged-f32", "ours+t5", "sdpa",
+                        "flex", "flex-nobias"]
     without_api = bench.planned_impls([], dict.fromkeys(ALL_API, False))
-    assert without_api == [("ours", "none"), ("ours+dense", "dense")]
+    assert without_api == [("ours", "none"), ("ours+dense", "dense"), ("ours+dense-f32", "dense-f32")]
     assert bench.parse_peers("none") == [] and bench.parse_peers("flex,sdpa") == ["sdpa", "flex"]
 
 
