@@ -23,7 +23,10 @@ The two calls continuous batching makes
   ``[num_seqs + 1, max(max_length_k, num_tokens)]``: small next to the keys, but it grows with the longest
   sequence) and run
   :func:`~cupy_paged_attn.torch.paged_prefill_attention`, causal. No copy of ours: the packed tensors are used as
-  they come. This is not reading the cache in place; transformers' gather is the copy.
+  they come. This is not reading the cache in place; transformers' gather is the copy. A batch of decode steps
+  only (``max_length_q == 1``: each sequence has one query row, as in a batch transformers does not pad) runs
+  :func:`~cupy_paged_attn.torch.paged_attention` over the same pages instead: the decode kernels, which need no
+  query tile of their own per sequence.
 * **Block tables** (decode): transformers passes its cache's pages themselves (``k_cache`` / ``v_cache``
   ``[num_pages, page_size, num_kv_heads, head_size]``, this library's ``"nhd"`` layout) with a ``block_table``, and
   leaves writing the new token to the attention function: we write it with
@@ -170,6 +173,8 @@ def attention_forward(
     q = query[0].transpose(0, 1)  # [num_tokens, num_heads, head_size]: contiguous as the model's view gives it
     if kwargs.get("block_table") is not None:
         out = _decode_in_cache(q, key, value, kwargs, options)
+    elif kwargs.get("max_length_q") == 1:
+        out = _packed_decode(q, key, value, kwargs, options)
     else:
         out = _packed_prefill(q, key, value, kwargs, options)
     return out.unsqueeze(0), None
@@ -186,18 +191,44 @@ def _packed_prefill(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwa
     cu_q = kwargs["cu_seq_lens_q"].to(torch.int32)
     cu_k = kwargs["cu_seq_lens_k"].to(torch.int32)
     total_q = q.shape[0]
+    k, v, block_tables = _packed_pages(key, value, cu_k, max(int(kwargs["max_length_k"]), total_q, 1))
+    query_start_loc = torch.cat([cu_q, cu_q.new_full((1,), total_q)])
+    seq_lens = torch.cat([cu_k[1:] - cu_k[:-1], total_q - cu_q[-1:]])
+    return _ops.paged_prefill_attention(q, k, v, block_tables, seq_lens, query_start_loc, causal=True, **options)
+
+
+def _packed_decode(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict[str, Any],
+                   options: dict[str, Any]) -> torch.Tensor:
+    """The packed call with ``max_length_q == 1``: sequence s's query row (if it has one) is row ``cu_seq_lens_q[s]``,
+    the last of its keys, so its causal attention is decode over all of them. The rows are gathered, decoded over the
+    keys viewed as pages of one token, and put back; a sequence without a row (length-0 padding) gets length 0 and
+    writes a spare row."""
+    cu_q = kwargs["cu_seq_lens_q"].to(torch.int32)
+    cu_k = kwargs["cu_seq_lens_k"].to(torch.int32)
+    total_q = q.shape[0]
+    k, v, block_tables = _packed_pages(key, value, cu_k[:-1], max(int(kwargs["max_length_k"]), 1))
+    has_row = cu_q[1:] > cu_q[:-1]
+    rows = torch.where(has_row, cu_q[:-1], total_q).long()  # total_q: the spare row
+    seq_lens = torch.where(has_row, cu_k[1:] - cu_k[:-1], 0)
+    padded = torch.cat([q, q.new_zeros((1, *q.shape[1:]))])
+    out = torch.zeros_like(padded)
+    out.index_copy_(0, rows, _ops.paged_attention(padded[rows], k, v, block_tables, seq_lens, **options))
+    return out[:total_q]
+
+
+def _packed_pages(key: torch.Tensor, value: torch.Tensor, starts: torch.Tensor,
+                  width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed keys and values ``[1, num_kv_heads, num_keys, head_size]`` as ``num_keys`` pages of one token, and a
+    block table of ``width`` columns whose row s is ``starts[s], starts[s] + 1, ...`` (sequence s's j-th key is page
+    ``starts[s] + j``). The clamp keeps entries past a sequence's length valid page ids (never read). ``width``
+    comes from Python ints (transformers pads max_length_k for CUDA graphs) and shapes: no value is read on the
+    host."""
     # transformers' gather gives [num_keys, num_kv_heads, head_size] rows, transposed back: contiguous() is free
     k = key[0].transpose(0, 1).contiguous().unsqueeze(1)
     v = value[0].transpose(0, 1).contiguous().unsqueeze(1)
-    query_start_loc = torch.cat([cu_q, cu_q.new_full((1,), total_q)])
-    seq_lens = torch.cat([cu_k[1:] - cu_k[:-1], total_q - cu_q[-1:]])
-    # Sequence s's j-th key is page cu_k[s] + j (the padding sequence's: the keys after the last sequence's); the
-    # clamp keeps entries past a sequence's length valid page ids (never read). max_length_k is a Python int
-    # (transformers pads it for CUDA graphs) and total_q a shape: no value is read on the host.
-    width = max(int(kwargs["max_length_k"]), total_q, 1)
-    columns = torch.arange(width, dtype=torch.int32, device=cu_k.device)
-    block_tables = (cu_k[:, None] + columns).clamp_(max=max(k.shape[0] - 1, 0))
-    return _ops.paged_prefill_attention(q, k, v, block_tables, seq_lens, query_start_loc, causal=True, **options)
+    columns = torch.arange(width, dtype=torch.int32, device=starts.device)
+    block_tables = (starts[:, None] + columns).clamp_(max=max(k.shape[0] - 1, 0))
+    return k, v, block_tables
 
 
 def _decode_in_cache(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict[str, Any],

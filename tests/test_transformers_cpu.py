@@ -117,8 +117,11 @@ def test_generate_batch_gives_the_tokens_of_transformers_attention(name, calls):
     ours = cpt.enable(build(name))
     assert ours.config._attn_implementation == cpt.NAME
     assert generate_batch(ours, inputs) == expected
-    # every layer of every step ran here
-    assert calls["paged_prefill_attention"] >= NEW_TOKENS * SMALL["num_hidden_layers"]
+    # every layer of every step ran here: batches with a prompt's tokens on the prefill kernels, batches of decode
+    # steps only on the decode kernels
+    layers = SMALL["num_hidden_layers"]
+    assert calls["paged_prefill_attention"] + calls["paged_attention"] >= NEW_TOKENS * layers
+    assert calls["paged_prefill_attention"] >= layers and calls["paged_attention"] >= layers
     # and each request's tokens are what the model gives it alone
     for prompt, tokens in zip(inputs[:2], expected[:2], strict=True):
         assert generate(reference, prompt) == tokens
@@ -191,6 +194,30 @@ def test_packed_call_against_a_dense_reference(softcap, window):
         rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
         expected = dense(q[rows], k[keys], v[keys], scale, softcap, window)
         np.testing.assert_allclose(out[0, rows].numpy(), expected, atol=2e-5, rtol=1e-5, err_msg=f"sequence {s}")
+
+
+@pytest.mark.parametrize(("softcap", "window"), OPTIONS)
+def test_packed_decode_call_against_a_dense_reference(softcap, window):
+    """max_length_q == 1 (decode steps only): each sequence's one query row attends all its keys; a trailing
+    sequence of length 0 (no row, no keys) changes nothing."""
+    k_lens = [9, 1, 30, 4]
+    generator = torch.Generator().manual_seed(3)
+    total_q, total_k = len(k_lens), sum(k_lens)
+    query = torch.randn(1, HEADS, total_q, HEAD_SIZE, generator=generator)
+    key = torch.randn(total_k, KV_HEADS, HEAD_SIZE, generator=generator).transpose(0, 1).unsqueeze(0)
+    value = torch.randn(total_k, KV_HEADS, HEAD_SIZE, generator=generator).transpose(0, 1).unsqueeze(0)
+    cu_q = torch.tensor([*range(total_q + 1), total_q], dtype=torch.int32)
+    cu_k = torch.tensor([0, *np.cumsum(k_lens), total_k], dtype=torch.int32)
+    out, _ = cpt.attention_forward(
+        None, query, key, value, None, scaling=0.3, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=1,
+        max_length_k=max(k_lens), is_causal=True, softcap=softcap, sliding_window=window)
+    assert out.shape == (1, total_q, HEADS, HEAD_SIZE)
+    q = query[0].transpose(0, 1).double().numpy()
+    k, v = (x[0].transpose(0, 1).double().numpy() for x in (key, value))
+    for s in range(len(k_lens)):
+        keys = slice(cu_k[s], cu_k[s + 1])
+        expected = dense(q[s:s + 1], k[keys], v[keys], 0.3, softcap, window)
+        np.testing.assert_allclose(out[0, s:s + 1].numpy(), expected, atol=2e-5, rtol=1e-5, err_msg=f"sequence {s}")
 
 
 @pytest.mark.parametrize(("softcap", "window"), OPTIONS)
