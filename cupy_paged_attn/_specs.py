@@ -231,20 +231,24 @@ def tile_smem_bytes(dtype: str, head_size: int, decode_rows: int = 0, wgmma: boo
     return _tiling_smem_bytes(rows, row, tile, stages, ahead + 2, rel_table, align)
 
 
-def decode_staged_bias_bytes(bias: str, head_size: int, rows: int) -> int:
-    """Static shared memory of the decode tiling's bias stages (StagedBias in decode_mma.cu): per K/V stage, 9
-    vectors of 16 bytes a row for ``"dense-rows"``, ceil((2·rows + 14) / 16) a key for ``"ragged-rows"``; none for
-    the other kinds."""
+def decode_staged_bias_bytes(bias: str, head_size: int, rows: int, element_bytes: int = 2) -> int:
+    """Static shared memory of the decode tiling's bias stages (StagedBias in decode_mma.cu) with room for elements
+    of ``element_bytes`` (2, or 4 for float32): per K/V stage, tile·size / 16 + 1 vectors of 16 bytes a row for
+    ``"dense-rows"``, ceil((size·rows + 16 - size) / 16) a key for ``"ragged-rows"``; none for the other kinds."""
     tile = tile_keys(head_size, rows)
-    vectors = {"dense-rows": rows * (tile * 2 // 16 + 1), "ragged-rows": tile * (-(-(2 * rows + 14) // 16))}
+    size = element_bytes
+    vectors = {"dense-rows": rows * (tile * size // 16 + 1),
+               "ragged-rows": tile * (-(-(size * rows + 16 - size) // 16))}
     return decode_stages(head_size, rows) * vectors.get(bias, 0) * 16
 
 
-def decode_bias_fits(bias: str, head_size: int, rows: int, fp8: bool = False) -> bool:
-    """Whether the decode tiling's CTAs per SM still fit with ``bias``'s stages (the static_assert beside
-    bias_stage): at head size 80, 8 rows, three CTAs leave no room for the ragged stages, and that specialisation
-    does not exist (the bias is read element by element, "ragged")."""
-    smem = tile_smem_bytes("bf16", head_size, rows, fp8=fp8) + decode_staged_bias_bytes(bias, head_size, rows)
+def decode_bias_fits(bias: str, head_size: int, rows: int, fp8: bool = False, element_bytes: int = 2) -> bool:
+    """Whether the decode tiling's CTAs per SM still fit with ``bias``'s stages of ``element_bytes`` elements (the
+    static_assert beside bias_stage): at head size 80, 8 rows, three CTAs leave no room for the ragged stages, and
+    that specialisation does not exist (the bias is read element by element, "ragged"). With ``element_bytes=4``:
+    whether the specialisation has room to stage a float32 bias (StagedBias::kWide)."""
+    smem = tile_smem_bytes("bf16", head_size, rows, fp8=fp8) + decode_staged_bias_bytes(bias, head_size, rows,
+                                                                                         element_bytes)
     return decode_ctas_per_sm(head_size, rows) * (smem + 1024) <= 227 * 1024
 
 

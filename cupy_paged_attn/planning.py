@@ -292,21 +292,23 @@ def uses_tensor_cores(shape: DecodeShape, num_sms: int, tuning: _tuning.Tuning) 
 
 
 def tensor_core_bias_mode(shape: DecodeShape, rows: int) -> str:
-    """The tensor-core decode's specialisation for ``shape``'s bias. A float16 / bfloat16 bias whose elements of one
-    tile lie side by side is copied into shared memory with each tile's K and V (StagedBias in decode_mma.cu): a
-    dense one whose keys are adjacent (``"dense-rows"``, a row of keys per query head), a ragged one whose heads are
-    adjacent and whose keys lie a multiple of 16 bytes apart (``"ragged-rows"``, the CTA's heads per key: values of
-    8, 16, ... heads). Any other is the bias's own mode, read element by element a few tiles ahead. Decided from
-    dtype and strides only (the arrays may sit at any address), where the stages fit beside ``rows`` rows of the
-    head size (_specs.decode_bias_fits)."""
+    """The tensor-core decode's specialisation for ``shape``'s bias. A bias whose elements of one tile lie side by
+    side is copied into shared memory with each tile's K and V (StagedBias in decode_mma.cu): a dense one whose keys
+    are adjacent (``"dense-rows"``, a row of keys per query head), a ragged one whose heads are adjacent and whose
+    keys lie a multiple of 16 bytes apart (``"ragged-rows"``, the CTA's heads per key: values of 8, 16, ... heads in
+    16 bits, 4, 8, ... in float32). Any other is the bias's own mode, read element by element a few tiles ahead.
+    Decided from dtype and strides only (the arrays may sit at any address), where the stages fit beside ``rows``
+    rows of the head size with room for the bias's elements (_specs.decode_bias_fits: a float32 bias takes twice
+    the room of a 16-bit one)."""
     staged = shape.bias
     strides = shape.strides
-    if shape.bias_dtype in ("f16", "bf16"):
-        if shape.bias == "dense" and strides[3] == 1:
-            staged = "dense-rows"
-        elif shape.bias == "ragged" and strides[1] == 1 and strides[0] > 0 and strides[0] % 8 == 0:
-            staged = "ragged-rows"
-    return staged if _specs.decode_bias_fits(staged, shape.head_size, rows, shape.kv_cache is not None) else shape.bias
+    size = 4 if shape.bias_dtype == "f32" else 2
+    if shape.bias == "dense" and strides[3] == 1:
+        staged = "dense-rows"
+    elif shape.bias == "ragged" and strides[1] == 1 and strides[0] > 0 and strides[0] * size % 16 == 0:
+        staged = "ragged-rows"
+    fp8 = shape.kv_cache is not None
+    return staged if _specs.decode_bias_fits(staged, shape.head_size, rows, fp8, element_bytes=size) else shape.bias
 
 
 def plan_decode(shape: DecodeShape, device: Device, tuning: _tuning.Tuning | None = None) -> DecodeLaunch:

@@ -11,7 +11,7 @@
 //
 // Besides the shared tile, this tiling has: the longest-first order of sequences (longest_first.cuh), a balanced
 // split of ranked grids, a ring of bias values a few tiles ahead (dense and ragged biases read element by element), a
-// 16-bit bias copied into shared memory with its tile (StagedBias), T5's near table and far constants built from loads
+// bias copied into shared memory with its tile (StagedBias), T5's near table and far constants built from loads
 // issued before the first copies, and the warps' combine. A split grid's partitions are combined by tile_combine
 // (split_k.cuh).
 #include "longest_first.cuh"
@@ -26,15 +26,19 @@ constexpr int kBiasRing = 3;
 constexpr int kT5Slots = 2;
 
 // ---------------------------------------------------------------------------------------------------------------
-// A 16-bit bias whose elements of a tile lie side by side travels with its tile: copied by cp.async into stage st of
-// bias_stage in the tile's group of copies, as units of UNIT_VECS 16-byte vectors, each unit from its first element's
-// address rounded down to 16 bytes (the bias may sit anywhere: that element is `shift` elements into the unit). Bytes
-// no logit reads are zero-filled, never copied, so no copy reads past the bias (a unit starts at most 14 bytes before
-// an element of it, inside the allocation, which starts on 16 bytes at least):
+// A bias whose elements of a tile lie side by side travels with its tile: copied by cp.async into stage st of
+// bias_stage in the tile's group of copies, as units of 16-byte vectors, each unit from its first element's address
+// rounded down to 16 bytes (the bias may sit anywhere: that element is `shift` elements into the unit). Bytes no
+// logit reads are zero-filled, never copied, so no copy reads past the bias (a unit starts at most 16 − size bytes
+// before an element of it, inside the allocation, which starts on 16 bytes at least):
 //  - DenseRowsBias (keys adjacent): a unit per row, its keys t0 ... t0 + TILE_N − 1; zeros from the partition's end
-//    key on and for the rows without keys. 144-byte units put 8 rows' elements of one key in 8 bank groups.
+//    key on and for the rows without keys. One vector more than the keys need puts 8 rows' elements of one key in
+//    8 bank groups (16-bit elements; float32 ones in 4, a two-way conflict).
 //  - RaggedRowsBias (heads adjacent, a key's step a multiple of 16 bytes, so every key has the same shift): a unit
 //    per key, the CTA's heads kvh·G + m0 ...; zeros past its last head and from the partition's end key on.
+// The element size is the bias dtype's, a run-time argument (unit_vecs(2) or unit_vecs(4) vectors a unit): the
+// stages have room for float32 elements where that room leaves the CTAs per SM as they are (kWide), else for 16-bit
+// ones only, and planning stages a float32 bias only where kWide (_specs.decode_stages_float32).
 // ---------------------------------------------------------------------------------------------------------------
 template <typename L, typename Bias>
 struct StagedBias {
@@ -42,14 +46,30 @@ struct StagedBias {
   static constexpr bool kRagged = SameType<Bias, RaggedRowsBias>::value;
   static constexpr bool enabled = kDense || kRagged;
   static constexpr int UNITS = kRagged ? L::TILE_N : L::ROWS;
-  static constexpr int UNIT_VECS = kRagged ? (2 * L::ROWS + 14 + kVecBytes - 1) / kVecBytes
-                                           : L::TILE_N * 2 / kVecBytes + 1;
-  static constexpr int STAGE_VECS = UNITS * UNIT_VECS;
-  static constexpr int ROW_STEP = kRagged ? 1 : UNIT_VECS * kVecBytes / 2;  // elements between rows in a stage
-  static constexpr int KEY_STEP = kRagged ? UNIT_VECS * kVecBytes / 2 : 1;  // and between keys
+  // 16-byte vectors of a unit of elements of `size` bytes
+  static __host__ __device__ constexpr int unit_vecs(int size) {
+    return kRagged ? (size * L::ROWS + kVecBytes - size + kVecBytes - 1) / kVecBytes : L::TILE_N * size / kVecBytes + 1;
+  }
+  static constexpr int WIDE_STAGE_VECS = UNITS * unit_vecs(4);
+  static constexpr bool kWide =
+      enabled && L::kCtasPerSm * (L::kSmemBytes + L::STAGES * WIDE_STAGE_VECS * kVecBytes + 1024) <= 227 * 1024;
+  static constexpr int STAGE_VECS = kWide ? WIDE_STAGE_VECS : UNITS * unit_vecs(2);  // room of a stage
   static constexpr int SLOTS = (STAGE_VECS + L::THREADS - 1) / L::THREADS;  // vectors per thread
-  static constexpr int SMEM_VECS = enabled ? L::STAGES * STAGE_VECS : 1;    // [stage][unit][UNIT_VECS]
+  static constexpr int SMEM_VECS = enabled ? L::STAGES * STAGE_VECS : 1;    // [stage][unit][unit vectors]
 };
+
+// This thread's bias bits of one tile from its stage: row hf's key 8nt + e past its first (key0 + 2qc) is element
+// staged_at[hf] + (8nt + e)·key_step, an Element each (unsigned: float32, unsigned short: 16-bit).
+template <typename L, typename Bias, typename Element>
+__device__ __forceinline__ void read_staged(BiasFrag<L, Bias>& braw, const Element* stage,
+                                            const int (&staged_at)[L::NR], int key_step) {
+#pragma unroll
+  for (int hf = 0; hf < L::NR; ++hf)
+#pragma unroll
+    for (int nt = 0; nt < L::NT_S; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) braw[hf / 2][nt][2 * (hf % 2) + e] = stage[staged_at[hf] + (nt * 8 + e) * key_step];
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 // The kernel. Template parameters: T (__half / __nv_bfloat16), KV (T, or an fp8 format: Fp8Stages), HEAD, cache
@@ -210,20 +230,27 @@ decode_mma(
                                       cache_block_stride};
   copies.point_at(key_cache, value_cache);
 
-  // ---- The staged bias (StagedBias): this thread's vectors tid + k·THREADS of each stage. Ragged: the CTA's heads'
-  // elements of key 0 (its rows hold heads kvh·G + m0 ... of one query), the bytes from one key to the next, and the
-  // elements of the first vector before them.
+  // ---- The staged bias (StagedBias): this thread's vectors tid + k·THREADS of each stage, of elements of `size`
+  // bytes (a float32 bias only where the stages have room: kWide), unit_vecs vectors a unit, stage_vecs a stage.
+  // Ragged: the CTA's heads' elements of key 0 (its rows hold heads kvh·G + m0 ... of one query), the bytes from one
+  // key to the next, and the elements of the first vector before them.
   __shared__ uint4 bias_stage[Staged::SMEM_VECS];
   static_assert(!Staged::enabled || L::kCtasPerSm * (L::kSmemBytes + sizeof(bias_stage) + 1024) <= 227 * 1024,
                 "the CTAs per SM fit with their bias stages");
+  const bool wide = Staged::kWide && bias_dtype == kBiasF32;
+  const int size = wide ? 4 : 2;
+  const int unit_vecs = wide ? Staged::unit_vecs(4) : Staged::unit_vecs(2);
+  const int stage_vecs = Staged::UNITS * unit_vecs;
+  const int row_step = Staged::kRagged ? 1 : unit_vecs * kVecBytes / size;  // elements between rows in a stage
+  const int key_step = Staged::kRagged ? unit_vecs * kVecBytes / size : 1;  // and between keys
   const char* heads_at = static_cast<const char*>(bias_ptr);
-  long long staged_step = 2;  // bytes from one key to the next (dense: adjacent 16-bit elements)
+  long long staged_step = size;  // bytes from one key to the next (dense: adjacent elements)
   if constexpr (Staged::kRagged) {
     const typename Bias::Seq::Row heads = seq_bias.row(kvh * G + c.m0, 0, 0);
     heads_at = heads.at(0);
     staged_step = heads.step_bytes();
   }
-  const int heads_shift = static_cast<int>(reinterpret_cast<unsigned long long>(heads_at) & 15ull) / 2;
+  const int heads_shift = static_cast<int>(reinterpret_cast<unsigned long long>(heads_at) & 15ull) / size;
   const char* staged_src[Staged::SLOTS];  // this thread's vector tid + k·THREADS of tile 0 ...
   int staged_left[Staged::SLOTS];         // ... dense: its row's bytes from there to the partition's end key;
                                           // ragged: the bytes of it to copy
@@ -232,20 +259,20 @@ decode_mma(
 #pragma unroll
     for (int k = 0; k < Staged::SLOTS; ++k) {
       const int idx = tid + k * L::THREADS;
-      const int unit = idx / Staged::UNIT_VECS;
-      const int vec = (idx % Staged::UNIT_VECS) * kVecBytes;
+      const int unit = idx / unit_vecs;
+      const int vec = (idx % unit_vecs) * kVecBytes;
       staged_src[k] = static_cast<const char*>(bias_ptr);
       staged_left[k] = 0;
       staged_end[k] = c.kstart;
-      if (idx < Staged::STAGE_VECS && Staged::kDense && c.m0 + unit < c.rows_total) {
+      if (idx < stage_vecs && Staged::kDense && c.m0 + unit < c.rows_total) {
         const int R = c.m0 + unit;
         const char* first = seq_bias.row(kvh * G + R % G, R / G, c.pos0 + R / G).at(0);
         staged_src[k] = reinterpret_cast<const char*>(reinterpret_cast<unsigned long long>(first) & ~15ull) + vec;
-        staged_left[k] = static_cast<int>(first + 2ll * c.kend - staged_src[k]);
+        staged_left[k] = static_cast<int>(first + static_cast<long long>(size) * c.kend - staged_src[k]);
       }
-      if (idx < Staged::STAGE_VECS && Staged::kRagged) {
-        const int heads_bytes = 2 * (heads_shift + min(ROWS, c.rows_total - c.m0));
-        staged_src[k] = heads_at - 2 * heads_shift + unit * staged_step + vec;
+      if (idx < stage_vecs && Staged::kRagged) {
+        const int heads_bytes = size * (heads_shift + min(ROWS, c.rows_total - c.m0));
+        staged_src[k] = heads_at - size * heads_shift + unit * staged_step + vec;
         staged_left[k] = max(0, min(kVecBytes, heads_bytes - vec));
         staged_end[k] = c.kend - unit;
       }
@@ -256,8 +283,8 @@ decode_mma(
 #pragma unroll
       for (int k = 0; k < Staged::SLOTS; ++k) {
         const int idx = tid + k * L::THREADS;
-        if (Staged::STAGE_VECS % L::THREADS == 0 || idx < Staged::STAGE_VECS) {
-          const int bytes = Staged::kDense ? max(0, min(kVecBytes, staged_left[k] - 2 * t0))
+        if (idx < stage_vecs) {
+          const int bytes = Staged::kDense ? max(0, min(kVecBytes, staged_left[k] - size * t0))
                                            : t0 < staged_end[k] ? staged_left[k] : 0;
           cp_async16(&bias_stage[st * Staged::STAGE_VECS + idx],
                      bytes > 0 ? staged_src[k] + t0 * staged_step : bias_ptr, bytes);
@@ -294,9 +321,9 @@ decode_mma(
       int shift = heads_shift;
       if constexpr (Staged::kDense) {
         const char* first = seq_bias.row(rows.h[hf], rows.i[hf], rows.p[hf]).at(0);
-        shift = static_cast<int>(reinterpret_cast<unsigned long long>(first) & 15ull) / 2;
+        shift = static_cast<int>(reinterpret_cast<unsigned long long>(first) & 15ull) / size;
       }
-      staged_at[hf] = c.row(hf) * Staged::ROW_STEP + shift + (c.key0 + 2 * c.qc) * Staged::KEY_STEP;
+      staged_at[hf] = c.row(hf) * row_step + shift + (c.key0 + 2 * c.qc) * key_step;
     }
   }
   constexpr int RING = kBiasAhead ? kBiasRing : 1;
@@ -387,14 +414,12 @@ decode_mma(
         const bool need_mask = !(tile_ok && tile_unmasked<L>(rows, t0));
         BiasFrag<L, Bias> braw;
         if constexpr (Staged::enabled) {
-          const unsigned short* stage = reinterpret_cast<const unsigned short*>(bias_stage + st * Staged::STAGE_VECS);
-#pragma unroll
-          for (int hf = 0; hf < NR; ++hf)
-#pragma unroll
-            for (int nt = 0; nt < NT_S; ++nt)
-#pragma unroll
-              for (int e = 0; e < 2; ++e)
-                braw[hf / 2][nt][2 * (hf % 2) + e] = stage[staged_at[hf] + (nt * 8 + e) * Staged::KEY_STEP];
+          const uint4* stage = bias_stage + st * Staged::STAGE_VECS;
+          if (wide) {
+            read_staged<L, Bias>(braw, reinterpret_cast<const unsigned*>(stage), staged_at, key_step);
+          } else {
+            read_staged<L, Bias>(braw, reinterpret_cast<const unsigned short*>(stage), staged_at, key_step);
+          }
         } else if constexpr (kBiasAhead) {
 #pragma unroll
           for (int nt = 0; nt < NT_S; ++nt)

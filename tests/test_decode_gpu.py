@@ -338,16 +338,18 @@ def test_bias_dtypes(rng, split, q_dtype, bias_dtype):
 
 
 @pytest.mark.parametrize(("num_heads", "head_size", "dtype", "bias_dtype", "spec_bias"), [
-    (8, 64, "bf16", "bf16", "dense-rows"), (8, 64, "bf16", "f32", "dense"), (8, 128, "bf16", "bf16", "dense-rows"),
-    (32, 128, "f16", "f16", "dense-rows")], ids=["8-rows-d64", "8-rows-d64-f32", "8-rows-d128", "16-rows-d128"])
+    (8, 64, "bf16", "bf16", "dense-rows"), (8, 64, "bf16", "f32", "dense-rows"), (8, 128, "bf16", "bf16", "dense-rows"),
+    (8, 128, "f16", "f32", "dense-rows"), (32, 128, "f16", "f16", "dense-rows"), (32, 128, "bf16", "f32", "dense")],
+    ids=["8-rows-d64", "8-rows-d64-f32", "8-rows-d128", "8-rows-d128-f32", "16-rows-d128", "16-rows-d128-f32"])
 @pytest.mark.parametrize("offset", [0, 1, 3], ids=["rows-aligned", "rows-offset1", "rows-offset3"])
 def test_tensor_core_dense_bias_row_alignments(rng, split, num_heads, head_size, dtype, bias_dtype, spec_bias,
                                                offset):
-    """The tensor-core decode kernel with dense bias rows of every alignment, read in place (float32: "dense") or
-    copied tile by tile into shared memory (16-bit: DenseRowsBias, "dense-rows"): an odd row length L puts row r at
-    element r·L of the storage, so the rows' first keys take every offset in a 16-byte vector, and the storage starts
-    offset elements before the first row. Lengths that end inside a tile and inside a vector, NaN past each sequence
-    and before the first row (a staged first vector starts up to 7 elements before its row; those are never used)."""
+    """The tensor-core decode kernel with dense bias rows of every alignment, copied tile by tile into shared memory
+    (DenseRowsBias, "dense-rows"; float32 too where the stages have room for it) or read in place (a float32 bias at
+    16 rows of head size 128, "dense"): an odd row length L puts row r at element r·L of the storage, so the rows'
+    first keys take every offset in a 16-byte vector, and the storage starts offset elements before the first row.
+    Lengths that end inside a tile and inside a vector, NaN past each sequence and before the first row (a staged
+    first vector starts up to 16 bytes before its row; those are never used)."""
     lens = [700, 129, 64, 3, 0, 1000]
     p = make_problem(rng, lens, num_heads=num_heads, num_kv_heads=2, head_size=head_size, dtype=dtype,
                      bias="dense", bias_dtype=bias_dtype)
@@ -365,19 +367,22 @@ def test_tensor_core_dense_bias_row_alignments(rng, split, num_heads, head_size,
         assert_close(run_cupy(q), paged_attention_ref(*q.args(), **q.kwargs()), dtype, f"L={length}")
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "dtype"), [(8, 2, "bf16"), (32, 2, "f16")],
-                         ids=["8-rows", "16-rows"])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "dtype", "bias_dtype", "spec_bias"), [
+    (8, 2, "bf16", "bf16", "ragged-rows"), (32, 2, "f16", "f16", "ragged-rows"), (8, 2, "bf16", "f32", "ragged-rows"),
+    (12, 3, "f16", "f32", "ragged-rows"), (32, 2, "bf16", "f32", "ragged")],
+    ids=["8-rows", "16-rows", "8-rows-f32", "8-rows-f32-12-heads", "16-rows-f32"])
 @pytest.mark.parametrize("offset", [0, 3], ids=["values-aligned", "values-offset"])
-def test_tensor_core_staged_ragged_bias(rng, split, num_heads, num_kv_heads, dtype, offset):
-    """A ragged 16-bit bias of adjacent heads whose keys lie a multiple of 16 bytes apart, copied tile by tile into
-    shared memory (RaggedRowsBias): values starting on every alignment of a 16-byte vector (offset elements into
-    their storage, so each CTA's first head falls anywhere in one), rows of num_heads or num_heads + 8 elements (a
-    column slice), NaN in the rows between sequences, in the columns past the heads and before the first value (a
-    key's first vector starts up to 7 elements before the CTA's heads; those are never used), lengths that end inside
-    a tile and a sequence with no keys."""
+def test_tensor_core_staged_ragged_bias(rng, split, num_heads, num_kv_heads, dtype, bias_dtype, spec_bias, offset):
+    """A ragged bias of adjacent heads whose keys lie a multiple of 16 bytes apart, copied tile by tile into shared
+    memory (RaggedRowsBias; float32 too where the stages have room for it, else read in place, "ragged"): values
+    starting on every alignment of a 16-byte vector (offset elements into their storage, so each CTA's first head
+    falls anywhere in one), rows of num_heads or num_heads + 8 elements (a column slice; a float32 step need only be
+    a multiple of 4 elements), NaN in the rows between sequences, in the columns past the heads and before the first
+    value (a key's first vector starts up to 16 bytes before the CTA's heads; those are never used), lengths that end
+    inside a tile and a sequence with no keys."""
     lens = [700, 129, 64, 3, 0, 1000]
     p = make_problem(rng, lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=128, dtype=dtype,
-                     bias="ragged", bias_dtype=dtype)
+                     bias="ragged", bias_dtype=bias_dtype)
     values = p.bias_kind.values
     for width in (num_heads, num_heads + 8):
         store = np.full(offset + values.shape[0] * width, np.nan, dtype=values.dtype)
@@ -385,7 +390,7 @@ def test_tensor_core_staged_ragged_bias(rng, split, num_heads, num_kv_heads, dty
         rows[:, :num_heads] = values  # (NaN where values has it: the rows between sequences)
         q = dataclasses.replace(p, bias_kind=cpa.RaggedBias(rows[:, :num_heads], p.bias_kind.offsets))
         args, kwargs = device_args(q, to_cupy)
-        assert cpa.DecodePlan(*args, **kwargs).launch.spec.bias == "ragged-rows"
+        assert cpa.DecodePlan(*args, **kwargs).launch.spec.bias == spec_bias
         assert_close(run_cupy(q), paged_attention_ref(*q.args(), **q.kwargs()), dtype, f"row of {width}")
 
 

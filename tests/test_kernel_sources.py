@@ -247,6 +247,18 @@ def test_host_mirrors_of_kernel_constants():
                    f"static_assert({_specs.DECODE_SIMT_TILE_MULTIPLE} % {layout}::TILE == 0, \"tile\");",
                    f"static_assert({layout}::kMinCtas == {spec.max_ctas_per_sm}, \"ctas g{g}\");"]
     _compile.compile_offline("decode_simt.cu", [], "sm_90", "\n" + "\n".join(decode) + "\n")
+
+    staged = []  # which decode-tiling specialisations have room to stage a float32 bias (StagedBias::kWide)
+    for d, rows, fp8, bias in itertools.product(_specs.DECODE_MMA_HEAD_SIZES, _specs.DECODE_ROWS, (False, True),
+                                                ("DenseRowsBias", "RaggedRowsBias")):
+        if fp8 and d not in _specs.FP8_HEAD_SIZES:
+            continue
+        layout = f"cpa::TileLayout<__nv_bfloat16, {d}, {rows}, false, false, {str(fp8).lower()}>"
+        wide = _specs.decode_bias_fits("dense-rows" if bias == "DenseRowsBias" else "ragged-rows", d, rows, fp8,
+                                       element_bytes=4)
+        staged.append(f"static_assert(cpa::StagedBias<{layout}, cpa::{bias}>::kWide == "
+                      f"{str(wide).lower()}, \"float32 stages {bias} d{d} rows{rows} fp8 {fp8}\");")
+    _compile.compile_offline("decode_mma.cu", [], "sm_90", "\n" + "\n".join(staged) + "\n")
     _compile.compile_offline("cache_write.cu", [], "sm_90",
                              f"\nstatic_assert(cpa::kCacheThreads == {_specs.CACHE_WRITE_THREADS}, \"threads\");\n")
 

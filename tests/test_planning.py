@@ -248,20 +248,23 @@ def test_decode_kernel_switch(kernel):
 
 @pytest.mark.parametrize(("bias", "bias_dtype", "mode"), [
     ("dense", "bf16", "dense-rows"), ("dense", "f16", "dense-rows"), ("broadcast-seq", "bf16", "dense-rows"),
-    ("broadcast-head", "f16", "dense-rows"), ("dense", "f32", "dense"), ("strided", "bf16", "dense"),
-    ("ragged", "bf16", "ragged-rows"), ("ragged", "f16", "ragged-rows"), ("ragged", "f32", "ragged"),
-    ("ragged-strided", "bf16", "ragged"), ("ragged-12-heads", "bf16", "ragged"), ("t5-causal", "bf16", "t5"),
-    ("none", "bf16", "none"),
+    ("broadcast-head", "f16", "dense-rows"), ("dense", "f32", "dense-rows"), ("dense-16-rows", "f32", "dense"),
+    ("dense-16-rows", "bf16", "dense-rows"), ("strided", "bf16", "dense"), ("strided", "f32", "dense"),
+    ("ragged", "bf16", "ragged-rows"), ("ragged", "f16", "ragged-rows"), ("ragged", "f32", "ragged-rows"),
+    ("ragged-16-rows", "f32", "ragged"), ("ragged-strided", "bf16", "ragged"), ("ragged-12-heads", "bf16", "ragged"),
+    ("ragged-12-heads", "f32", "ragged-rows"), ("t5-causal", "bf16", "t5"), ("none", "bf16", "none"),
 ])
 def test_tensor_core_decode_bias_mode(rng, bias, bias_dtype, mode):
-    """The tensor-core decode copies a 16-bit bias whose elements of a tile lie side by side into shared memory with
-    each tile: a dense one of adjacent keys (DenseRowsBias, "dense-rows"), a ragged one of adjacent heads whose keys
-    lie a multiple of 8 elements apart (RaggedRowsBias, "ragged-rows"). A float32 one, a dense one whose keys are
-    apart, a ragged one stored head-major or of 12 heads a key is read element by element. The SIMT kernel has one
-    mode per kind. (Small arrays through the argument checks: the strides are the checks'.)"""
-    num_heads = 12 if bias == "ragged-12-heads" else 32
-    bias = bias.removesuffix("-12-heads")
-    for heads, tensor_cores in (((num_heads, num_heads // 4), True), ((8, 8), False)):
+    """The tensor-core decode copies a bias whose elements of a tile lie side by side into shared memory with each
+    tile: a dense one of adjacent keys (DenseRowsBias, "dense-rows"), a ragged one of adjacent heads whose keys lie a
+    multiple of 16 bytes apart (RaggedRowsBias, "ragged-rows": 12 heads a key in float32, not in 16 bits). A float32
+    one only where the stages have room for it (8 rows of head size 128, not 16). A dense one whose keys are apart, a
+    ragged one stored head-major is read element by element. The SIMT kernel has one mode per kind. (Small arrays
+    through the argument checks: the strides are the checks'.)"""
+    num_heads = 12 if bias.endswith("-12-heads") else 32
+    group = 16 if bias.endswith("-16-rows") else 4
+    bias = bias.removesuffix("-12-heads").removesuffix("-16-rows")
+    for heads, tensor_cores in (((num_heads, num_heads // group), True), ((8, 8), False)):
         p = make_problem(rng, [5, 30], num_heads=heads[0], num_kv_heads=heads[1], head_size=128, dtype="bf16",
                          bias=bias, bias_dtype=bias_dtype)
         problem = _checks.check_decode(*p.args(), **{**p.kwargs(), "out": None})
