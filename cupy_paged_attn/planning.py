@@ -92,7 +92,8 @@ class DecodeShape:
     ``[total, num_heads]``). ``t5_max_distance`` is a T5 bias's ``max_distance``. ``window_left``: a sliding window
     (None: none); the split then cuts the window's keys, not ``max_len``. ``soft_cap``: the call has a logit soft-cap.
     Either option runs the kernels compiled with the score options (``score_options``). ``kv_cache``: the caches'
-    fp8 format (``"fp8_e4m3"``, ``"fp8_e5m2"``), None when they hold ``dtype``: fp8 caches run the SIMT decode.
+    fp8 format (``"fp8_e4m3"``, ``"fp8_e5m2"``), None when they hold ``dtype`` (grouped queries over fp8 caches always
+    run the tensor-core decode where its head sizes allow).
     """
 
     num_seqs: int
