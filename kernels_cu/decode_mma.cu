@@ -38,7 +38,7 @@ constexpr int kT5Slots = 2;
 //    per key, the CTA's heads kvh·G + m0 ...; zeros past its last head and from the partition's end key on.
 // The element size is the bias dtype's, a run-time argument (unit_vecs(2) or unit_vecs(4) vectors a unit): the
 // stages have room for float32 elements where that room leaves the CTAs per SM as they are (kWide), else for 16-bit
-// ones only, and planning stages a float32 bias only where kWide (_specs.decode_stages_float32).
+// ones only, and planning stages a float32 bias only where kWide (_specs.decode_bias_fits, element_bytes=4).
 // ---------------------------------------------------------------------------------------------------------------
 template <typename L, typename Bias>
 struct StagedBias {
