@@ -840,8 +840,8 @@ def check_hostile_launch(args, kwargs, split, spec_bias):
                          ids=["simt", "tc", "tc-staged"])
 def test_hostile_block_ids_and_lengths_stay_in_bounds(rng, split, dtype, bias_dtype, spec_bias):
     """Block ids outside the cache and lengths negative or far past the block table's capacity, on the SIMT kernel and
-    the tensor-core kernel (a 16-bit bias staged in shared memory too), single pass and split: never a fault; each
-    such sequence's row is NaN, an empty one zeros, the others the reference's."""
+    the tensor-core kernel (the bias read element by element, or staged in shared memory), single pass and split:
+    never a fault; each such sequence's row is NaN, an empty one zeros, the others the reference's."""
     import cupy
 
     p = make_problem(rng, [400, 300, 200, 100, 0], num_heads=4, num_kv_heads=2, bias="dense", dtype=dtype,
@@ -851,6 +851,11 @@ def test_hostile_block_ids_and_lengths_stay_in_bounds(rng, split, dtype, bias_dt
     tables[1, 0] = 2**31 - 1
     lens = np.array([400, -5, 10**9, 100, 0], np.int32)  # negative and far past the table's capacity
     args, kwargs = device_args(p, to_cupy)
+    if spec_bias == "dense":  # keys two elements apart, which no stage takes: read element by element
+        bias = kwargs["attn_bias"]
+        spaced = cupy.full((*bias.shape, 2), cupy.nan, bias.dtype)
+        spaced[..., 0] = bias
+        kwargs["attn_bias"] = spaced[..., 0]
     check_hostile_launch(args, kwargs, split, spec_bias)
     args[3], args[4] = cupy.asarray(tables), cupy.asarray(lens)
     out = cpa.paged_attention(*args, **kwargs)
@@ -947,28 +952,39 @@ def test_hostile_t5_buckets_stay_in_bounds(rng, split, dtype, kind):
                          ids=["simt", "tc", "tc-staged"])
 def test_hostile_ragged_offsets_stay_in_bounds(rng, split, dtype, bias_dtype, spec_bias):
     """Ragged offsets outside the values, on the SIMT kernel and on the tensor-core kernel (grouped queries), whose
-    16-bit bias of adjacent heads is staged in shared memory (RaggedRowsBias), single pass and split: nothing outside
-    the rows is read."""
+    bias is read element by element (rows 36 bytes apart, which no stage takes) or, 16-bit with adjacent heads,
+    staged in shared memory (RaggedRowsBias), single pass and split: nothing outside the rows is read."""
     import cupy
 
     p = make_problem(rng, [400, 300, 200, 100], num_heads=8, num_kv_heads=2, bias="ragged", dtype=dtype,
                      bias_dtype=bias_dtype)
-    args, kwargs = device_args(p, to_cupy)
-    check_hostile_launch(args, kwargs, split, spec_bias)
     values, offsets = p.bias_kind.values, p.bias_kind.offsets.copy()
     total = values.shape[0]
-    # Offsets before, inside and past values; then rows too short for sequence 0 (7 of 400) with the others' intact.
-    short = np.array([3, 10, *(offsets[2:] + 1)], np.int32)
+
+    def on_device(values):  # the "tc" variant: rows of 9 heads' room, so the key step (36 bytes) is no stage's
+        if spec_bias != "ragged":
+            return to_cupy(values)
+        padded = cupy.full((total, 9), cupy.nan, values.dtype)
+        padded[:, :8] = to_cupy(values)
+        return padded[:, :8]
+
+    args, kwargs = device_args(p, to_cupy)
+    kwargs["attn_bias"] = cpa.RaggedBias(on_device(values), to_cupy(offsets))
+    check_hostile_launch(args, kwargs, split, spec_bias)
+    # Offsets before, inside and past values; then rows too few for sequence 0 (its last 7 of 400) and for sequence 3
+    # (50 of 100 before the end of values), sequences 1 and 2 intact.
+    short = offsets.copy()
+    short[0], short[3] = offsets[1] - 7, total - 50
+    expected = paged_attention_ref(*p.args(), **p.kwargs())
     for bad in (np.array([-50, 46, 2**31 - 1, total - 5, total], np.int32), short):
-        kwargs["attn_bias"] = cpa.RaggedBias(to_cupy(values), cupy.asarray(bad))
+        kwargs["attn_bias"] = cpa.RaggedBias(on_device(values), cupy.asarray(bad))
         out = to_numpy(cpa.paged_attention(*args, **kwargs))  # an illegal access would raise here
         if bad[0] < 0:
-            assert_poisoned(out, [0, 2], "a sequence with no rows")
-        else:  # the shifted offsets leave sequence 3 one row short too (its last row would be row `total`)
+            assert_poisoned(out, [0, 2, 3], "a sequence with no rows, or too few before the end of values")
+        else:
             assert_poisoned(out, [0, 3], "a sequence whose rows are too few")
-            assert not np.isnan(out[1:3]).any()
+            assert_close(out[1:3], expected[1:3], dtype)
         with pytest.raises(ValueError, match=r"attn_bias.offsets: sequence 0 has 400 keys but rows"):
             cpa.paged_attention(*args, **kwargs, validate=True)
-    kwargs["attn_bias"] = cpa.RaggedBias(to_cupy(values), cupy.asarray(offsets))
-    assert_close(to_numpy(cpa.paged_attention(*args, **kwargs, validate=True)),
-                 paged_attention_ref(*p.args(), **p.kwargs()), dtype)
+    kwargs["attn_bias"] = cpa.RaggedBias(on_device(values), cupy.asarray(offsets))
+    assert_close(to_numpy(cpa.paged_attention(*args, **kwargs, validate=True)), expected, dtype)
