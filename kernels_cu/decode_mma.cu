@@ -239,7 +239,7 @@ decode_mma(
                 "the CTAs per SM fit with their bias stages");
   const bool wide = Staged::kWide && bias_dtype == kBiasF32;
   const int size = wide ? 4 : 2;
-  const int unit_vecs = wide ? Staged::unit_vecs(4) : Staged::unit_vecs(2);
+  const int unit_vecs = Staged::unit_vecs(size);
   const int stage_vecs = Staged::UNITS * unit_vecs;
   const int row_step = Staged::kRagged ? 1 : unit_vecs * kVecBytes / size;  // elements between rows in a stage
   const int key_step = Staged::kRagged ? unit_vecs * kVecBytes / size : 1;  // and between keys
@@ -518,8 +518,8 @@ decode_mma(
   float* acc_s = reinterpret_cast<float*>(kv_s);   // [KEY_WARPS][ROWS][PITCH]
   float* ml_s = acc_s + KEY_WARPS * ROWS * PITCH;  // [KEY_WARPS][ROWS][2]
   const int kw = c.warp % KEY_WARPS;
-  // Every warp is done with the stages; and did any copy of the CTA miss its page (its rows are then poisoned)?
-  const bool poisoned = __syncthreads_or(copies.missed_any()) != 0 || out_of_contract(seq_lens, c.s, c.len);
+  // Every warp is done with the stages (the barrier of cta_poisoned).
+  const bool poisoned = copies.cta_poisoned(seq_lens, c.s, c.len);
 #pragma unroll
   for (int n = 0; n < ACC_N; ++n)
 #pragma unroll

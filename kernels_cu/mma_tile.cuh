@@ -554,6 +554,11 @@ struct TileCopies {
   __device__ __forceinline__ unsigned tile_ok(int u) const { return (ok_bits >> (u % 32)) & 1u; }
   // Whether any of this thread's copies so far missed its page.
   __device__ __forceinline__ bool missed_any() const { return ok_bits != ~0u; }
+  // Whether the CTA's rows of sequence s are poisoned (paged_cache.cuh): a copy of any of its threads missed its
+  // page, or the keys it used (len) are not seq_lens[s]. A barrier: every thread of the CTA calls it.
+  __device__ __forceinline__ bool cta_poisoned(const int* seq_lens, int s, int len) const {
+    return __syncthreads_or(missed_any()) != 0 || out_of_contract(seq_lens, s, len);
+  }
 };
 
 // fp8 caches in the decode tiling (TileLayout FP8): tile u's K and V travel into stage u % STAGES of f8_s,

@@ -149,8 +149,7 @@ __global__ void __launch_bounds__(TileLayout<T, HEAD, 0, false, SCORES>::THREADS
   cp_async_wait<0>();  // no copy may still be writing shared memory when the CTA exits
 
   quad_sums(l);
-  // Did any copy of the CTA miss its page (the CTA's rows are then poisoned, paged_cache.cuh)?
-  const bool poisoned = __syncthreads_or(copies.missed_any()) != 0 || out_of_contract(seq_lens, c.s, c.len);
+  const bool poisoned = copies.cta_poisoned(seq_lens, c.s, c.len);
   write_rows<L, T, HEAD>(out, out_stride_t, out_stride_h, part_acc, part_ml, acc, m, l, rows, c, part, total_q,
                          num_kv_heads, num_parts, poisoned);
 }
