@@ -249,3 +249,24 @@ def assert_same(actual: Any, expected: np.ndarray) -> None:
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, (actual.dtype, actual.shape)
     bits = np.dtype(f"u{actual.dtype.itemsize}")
     np.testing.assert_array_equal(actual.view(bits), expected.view(bits))
+
+
+def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, softcap: float | None,
+                     window: int | None) -> np.ndarray:
+    """The float64 reference of transformers' attention calls (tests of cupy_paged_attn.transformers). One sequence:
+    ``q [q_len, H, d]`` as its last ``q_len`` of ``k, v [k_len, Hkv, d]``, causal; a query attends the last
+    ``window`` keys itself included (transformers' convention)."""
+    q_len, num_heads, _ = q.shape
+    k_len, num_kv_heads, _ = k.shape
+    out = np.zeros(q.shape)
+    for i in range(q_len):
+        p = k_len - q_len + i
+        first = 0 if window is None else max(0, p - window + 1)
+        for h in range(num_heads):
+            g = h // (num_heads // num_kv_heads)
+            logits = scale * (k[first:p + 1, g] @ q[i, h])
+            if softcap is not None:
+                logits = softcap * np.tanh(logits / softcap)
+            weights = np.exp(logits - logits.max())
+            out[i, h] = weights @ v[first:p + 1, g] / weights.sum()
+    return out

@@ -24,6 +24,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers", minversion="5.24")
 
+from helpers import causal_attention  # noqa: E402
+
 import cupy_paged_attn.torch as ops  # noqa: E402  (needs torch)
 import cupy_paged_attn.transformers as cpt  # noqa: E402  (needs transformers)
 
@@ -146,26 +148,6 @@ def test_model_generate_outside_continuous_batching_goes_to_sdpa(name, calls):
 # ---------------------------------------------------------------------------------------------------------------
 # The attention function alone, against a dense reference
 # ---------------------------------------------------------------------------------------------------------------
-def dense(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, softcap: float | None,
-          window: int | None) -> np.ndarray:
-    """One sequence: ``q [q_len, H, d]`` as its last ``q_len`` of ``k, v [k_len, Hkv, d]``, float64, causal; a query
-    attends the last ``window`` keys itself included (transformers' convention)."""
-    q_len, num_heads, _ = q.shape
-    k_len, num_kv_heads, _ = k.shape
-    out = np.zeros(q.shape)
-    for i in range(q_len):
-        p = k_len - q_len + i
-        first = 0 if window is None else max(0, p - window + 1)
-        for h in range(num_heads):
-            g = h // (num_heads // num_kv_heads)
-            logits = scale * (k[first:p + 1, g] @ q[i, h])
-            if softcap is not None:
-                logits = softcap * np.tanh(logits / softcap)
-            weights = np.exp(logits - logits.max())
-            out[i, h] = weights @ v[first:p + 1, g] / weights.sum()
-    return out
-
-
 HEADS, KV_HEADS, HEAD_SIZE = 8, 2, 32
 OPTIONS = [(None, None), (None, 4), (3.0, None), (3.0, 4)]  # (softcap, sliding_window)
 
@@ -192,7 +174,7 @@ def test_packed_call_against_a_dense_reference(softcap, window):
     k, v = (x[0].transpose(0, 1).double().numpy() for x in (key, value))
     for s in range(len(q_lens)):
         rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
-        expected = dense(q[rows], k[keys], v[keys], scale, softcap, window)
+        expected = causal_attention(q[rows], k[keys], v[keys], scale, softcap, window)
         np.testing.assert_allclose(out[0, rows].numpy(), expected, atol=2e-5, rtol=1e-5, err_msg=f"sequence {s}")
 
 
@@ -216,7 +198,7 @@ def test_packed_decode_call_against_a_dense_reference(softcap, window):
     k, v = (x[0].transpose(0, 1).double().numpy() for x in (key, value))
     for s in range(len(k_lens)):
         keys = slice(cu_k[s], cu_k[s + 1])
-        expected = dense(q[s:s + 1], k[keys], v[keys], 0.3, softcap, window)
+        expected = causal_attention(q[s:s + 1], k[keys], v[keys], 0.3, softcap, window)
         np.testing.assert_allclose(out[0, s:s + 1].numpy(), expected, atol=2e-5, rtol=1e-5, err_msg=f"sequence {s}")
 
 
@@ -259,7 +241,8 @@ def test_block_table_call_writes_the_cache_and_decodes_in_place(softcap, window)
         k = torch.cat([k_cache[p] for p in tables[s, :math.ceil(n / page_size)]])[:n].double().numpy()
         v = torch.cat([v_cache[p] for p in tables[s, :math.ceil(n / page_size)]])[:n].double().numpy()
         q = query[0, :, s:s + 1].transpose(0, 1).double().numpy()
-        np.testing.assert_allclose(out[0, s].numpy(), dense(q, k, v, 0.3, softcap, window)[0], atol=2e-5, rtol=1e-5)
+        expected = causal_attention(q, k, v, 0.3, softcap, window)[0]
+        np.testing.assert_allclose(out[0, s].numpy(), expected, atol=2e-5, rtol=1e-5)
     np.testing.assert_array_equal(out[0, -1].numpy(), 0.0)
     torch.testing.assert_close(k_cache[~written], untouched[~written], rtol=0, atol=0)  # nothing else written
 
