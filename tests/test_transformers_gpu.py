@@ -1,7 +1,7 @@
 """GPU: :mod:`cupy_paged_attn.transformers` on the CUDA kernels. The attention function's packed calls (prefill,
 chunked prefill and decode rows mixed, and decode steps only) at Llama-3.2-1B's head shapes with sequences of
 hundreds to thousands of keys, float32 and bfloat16, against the float64 reference; and ``generate_batch`` on a
-small float32 Llama on the GPU giving the greedy tokens of transformers' own SDPA, CUDA graphs included.
+small float32 Llama on the GPU giving the greedy tokens of transformers' own SDPA.
 
 Skips without torch, transformers (>= 5.24) or a GPU. No network: the model is built from a config.
 """
