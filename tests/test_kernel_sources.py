@@ -1,9 +1,9 @@
 """CPU: the kernel sources compile with NVRTC for sm_80, sm_90 and sm_90a with no GPU present, their keys read well,
 and the host's mirrors of each kernel's geometry equal the kernel's own constants.
 
-The default run compiles a representative specialisation of each kernel family on each architecture; the full sweep
-of every specialisation the library can launch (thousands of kernels, tens of minutes on two cores) is marked
-``sweep``: ``pytest -m sweep``.
+The default run compiles a representative specialisation of each kernel family on each architecture; the full sweep,
+marked ``sweep`` (``pytest -m sweep``), compiles every specialisation the library can launch to PTX and ptxas builds
+every kernel shape (about a quarter of an hour on two cores).
 """
 
 from __future__ import annotations
@@ -15,11 +15,6 @@ import pytest
 from cupy_paged_attn import _compile, _specs, planning, tuning
 
 ARCHS = ["sm_80", "sm_90"]
-#: Where the sweep compiles the kernels with the score options and those of fp8 caches. Their code differs from the
-#: other kernels by architecture-independent lines (the fp8 conversion's two forms are in every family's
-#: representatives), and their representatives compile for every architecture in the default run; one architecture
-#: keeps the sweep within CI's time.
-OPTION_ARCHS = ["sm_90"]
 
 #: One specialisation of each family, every bias mode of it (bf16, head size 128: the common serving shape).
 REPRESENTATIVES = {
@@ -54,14 +49,14 @@ REPRESENTATIVES = {
 }
 
 
-def _compile_all(specs: list, arch: str) -> None:
-    """Compile ``specs`` (one kernel family) for ``arch`` in one NVRTC program; every kernel is in the cubin."""
+def _compile_all(specs: list, arch: str, optimise: bool = True) -> None:
+    """Compile ``specs`` (one kernel family) for ``arch`` in one NVRTC program; every kernel is in the binary."""
     targets = {spec.offline_arch(arch) for spec in specs}
     assert len(targets) == 1 and None not in targets, targets
     names = list(dict.fromkeys(n for spec in specs for n in spec.name_expressions()))
-    cubin, lowered = _compile.compile_offline(specs[0].source, names, targets.pop())
+    binary, lowered = _compile.compile_offline(specs[0].source, names, targets.pop(), optimise=optimise)
     for name in names:
-        assert lowered[name].encode() in cubin, f"{name} missing from the {arch} cubin"
+        assert lowered[name].encode() in binary, f"{name} missing from the {arch} build"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -73,44 +68,73 @@ def test_each_kernel_family_compiles(family, arch):
     _compile_all(specs, arch)
 
 
-def _one_arch(spec) -> bool:
-    """Whether the sweep compiles ``spec`` on OPTION_ARCHS only: kernels with the score options or of fp8 caches."""
-    return getattr(spec, "scores", False) or getattr(spec, "kv_cache", None) is not None
+def _group_key(spec, arch: str) -> tuple[str, ...]:
+    """One NVRTC program per source, dtype, layout, target architecture, fp8 format, score options and combine (the
+    SIMT decode's cluster kernels apart: groups of similar size share two workers evenly)."""
+    kind = ("-cluster" if getattr(spec, "cluster", False) else "") + \
+           (f"-{kv}" if (kv := getattr(spec, "kv_cache", None)) else "") + \
+           ("-scores" if getattr(spec, "scores", False) else "")
+    return spec.source, spec.dtype, spec.layout, spec.offline_arch(arch), kind, arch
+
+
+def _groups(specs: list, archs: list[str]) -> list[tuple[str, str, list]]:
+    groups: dict[tuple[str, ...], list] = {}
+    for spec in specs:
+        for arch in archs:
+            if spec.offline_arch(arch) is not None:
+                groups.setdefault(_group_key(spec, arch), []).append(spec)
+    return [(f"{src}-{dt}-{lay}-{target}{kind}", arch, group)
+            for (src, dt, lay, target, kind, arch), group in sorted(groups.items())]
 
 
 def _sweep_groups() -> list[tuple[str, str, list]]:
-    """Every specialisation, grouped into programs of one source, dtype, layout, target architecture, fp8 format,
-    score options and combine (the SIMT decode's cluster kernels apart: groups of similar size share two workers
-    evenly)."""
-    groups: dict[tuple[str, str, str, str, str, str], list] = {}
-    for spec in _specs.all_specs():
-        for arch in ARCHS:
-            target = spec.offline_arch(arch)
-            if target is not None and (not _one_arch(spec) or arch in OPTION_ARCHS):
-                kind = ("-cluster" if getattr(spec, "cluster", False) else "") + \
-                       (f"-{kv}" if (kv := getattr(spec, "kv_cache", None)) else "") + \
-                       ("-scores" if getattr(spec, "scores", False) else "")
-                groups.setdefault((spec.source, spec.dtype, spec.layout, target, kind, arch), []).append(spec)
-    return [(f"{src}-{dt}-{lay}-{target}{kind}", arch, specs)
-            for (src, dt, lay, target, kind, arch), specs in sorted(groups.items())]
+    """Every specialisation on every architecture it is built for."""
+    return _groups(_specs.all_specs(), ARCHS)
+
+
+def _optimised_sweep_groups() -> list[tuple[str, str, list]]:
+    """The specialisations ptxas also builds in the sweep: every head size, bias mode, head grouping, row count,
+    score option and fp8 format of each family, in one dtype (bfloat16; float32 for the SIMT prefill, which has no
+    16-bit form of its own) and one layout (``nhd``), for sm_90 (sm_90a for the Hopper tiling)."""
+    def chosen(spec) -> bool:
+        dtype = "f32" if isinstance(spec, _specs.PrefillSpec) and spec.dtype == "f32" else "bf16"
+        return spec.dtype == dtype and spec.layout == "nhd"
+    return _groups([s for s in _specs.all_specs() if chosen(s)], ["sm_90"])
 
 
 @pytest.mark.sweep
 @pytest.mark.parametrize(("group", "arch", "specs"), _sweep_groups(), ids=[g[0] for g in _sweep_groups()])
 def test_every_specialisation_compiles(group, arch, specs):
+    """Unoptimised PTX (the front end: templates, ``static_assert``s, lowering), for every specialisation."""
+    _compile_all(specs, arch, optimise=False)
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize(("group", "arch", "specs"), _optimised_sweep_groups(),
+                         ids=[g[0] for g in _optimised_sweep_groups()])
+def test_every_kernel_shape_builds_with_ptxas(group, arch, specs):
+    """Optimised cubins, through ptxas (inline assembly against the target, shared memory per kernel), for every
+    template parameter that changes the code's shape."""
     _compile_all(specs, arch)
 
 
-def test_the_sweep_covers_every_specialisation_once():
-    """The library launches 8,688 specialisations; the sweep compiles each on every architecture it is built for
-    (clusters need sm_90, the Hopper tiling sm_90a, and the rest builds for both sm_80 and sm_90), those with the
-    score options or of fp8 caches on OPTION_ARCHS only."""
+def test_the_sweep_covers_every_specialisation():
+    """The library launches 8,688 specialisations; the sweep compiles each to PTX on every architecture it is built
+    for (clusters need sm_90, the Hopper tiling sm_90a, and the rest builds for both sm_80 and sm_90), and the
+    bfloat16 ``nhd`` ones (float32 for the SIMT prefill) to cubins for sm_90, which leaves out no value of any other
+    template parameter."""
     specs = _specs.all_specs()
     assert len(specs) == len(set(specs)) == len({s.key for s in specs})
     swept = [(arch, s) for _, arch, group in _sweep_groups() for s in group]
     assert all(s.offline_arch(arch) is not None for arch, s in swept), "a sweep group names an architecture it skips"
-    assert len(swept) == len(set(swept)) == sum(s.offline_arch(a) is not None for s in specs for a in ARCHS
-                                                 if not _one_arch(s) or a in OPTION_ARCHS)
+    assert len(swept) == len(set(swept)) == sum(s.offline_arch(a) is not None for s in specs for a in ARCHS)
+    built = [s for _, _, group in _optimised_sweep_groups() for s in group]
+    assert len(built) == len(set(built))
+    for field in ("head_size", "heads_per_cta", "bias", "rows", "cluster", "scores", "kv_cache", "wgmma",
+                  "slot_dtype"):
+        for kind in {type(s) for s in specs if hasattr(s, field)}:
+            values = {getattr(s, field) for s in specs if isinstance(s, kind)}
+            assert values == {getattr(s, field) for s in built if isinstance(s, kind)}, (kind.__name__, field)
     counts = {kind: sum(isinstance(s, kind) for s in specs) for kind in (
         _specs.DecodeSimtSpec, _specs.DecodeMmaSpec, _specs.PrefillSpec, _specs.CacheWriteSpec,
         _specs.CacheDequantizeSpec)}
@@ -221,7 +245,7 @@ def test_host_mirrors_of_kernel_constants():
                f"static_assert(cpa::kSimtThreads == {_specs.SIMT_PREFILL_THREADS}, \"simt threads\");",
                f"static_assert(cpa::kSimtRowsPerCta == {_specs.SIMT_PREFILL_ROWS}, \"simt rows\");",
                f"static_assert(cpa::kPrefillPlanThreads == {_specs.PREFILL_PLAN_THREADS}, \"plan\");"]
-    _compile.compile_offline("prefill.cu", [], "sm_90", "\n" + "\n".join(prefill) + "\n")
+    _compile.compile_offline("prefill.cu", [], "sm_90", "\n" + "\n".join(prefill) + "\n", optimise=False)
 
     hopper = []
     for dt, d in itertools.product(("f16", "bf16"), _specs.WGMMA_HEAD_SIZES):
@@ -231,7 +255,7 @@ def test_host_mirrors_of_kernel_constants():
                    f"static_assert({layout}::TILE_N == {_specs.tile_keys(d, wgmma=True)}, \"tile\");",
                    f"static_assert({layout}::ROWS == {_specs.WGMMA_ROWS}, \"rows\");",
                    f"static_assert({layout}::THREADS == {_specs.WGMMA_THREADS}, \"threads\");"]
-    _compile.compile_offline("prefill_wgmma.cu", [], "sm_90a", "\n" + "\n".join(hopper) + "\n")
+    _compile.compile_offline("prefill_wgmma.cu", [], "sm_90a", "\n" + "\n".join(hopper) + "\n", optimise=False)
 
     decode = [f"static_assert(cpa::kDecodeThreads == {_specs.DECODE_SIMT_THREADS}, \"threads\");",
               f"static_assert(cpa::kT5NearDistances == {_specs.DECODE_T5_NEAR_DISTANCES}, \"t5 near\");",
@@ -246,7 +270,7 @@ def test_host_mirrors_of_kernel_constants():
                    f"static_assert({layout}::kSmemBytes + {layout}::kNearBytes == {spec.smem_bytes}, \"t5\");",
                    f"static_assert({_specs.DECODE_SIMT_TILE_MULTIPLE} % {layout}::TILE == 0, \"tile\");",
                    f"static_assert({layout}::kMinCtas == {spec.max_ctas_per_sm}, \"ctas g{g}\");"]
-    _compile.compile_offline("decode_simt.cu", [], "sm_90", "\n" + "\n".join(decode) + "\n")
+    _compile.compile_offline("decode_simt.cu", [], "sm_90", "\n" + "\n".join(decode) + "\n", optimise=False)
 
     staged = []  # which decode-tiling specialisations have room to stage a float32 bias (StagedBias::kWide)
     for d, rows, fp8, bias in itertools.product(_specs.DECODE_MMA_HEAD_SIZES, _specs.DECODE_ROWS, (False, True),
@@ -258,16 +282,16 @@ def test_host_mirrors_of_kernel_constants():
                                        element_bytes=4)
         staged.append(f"static_assert(cpa::StagedBias<{layout}, cpa::{bias}>::kWide == "
                       f"{str(wide).lower()}, \"float32 stages {bias} d{d} rows{rows} fp8 {fp8}\");")
-    _compile.compile_offline("decode_mma.cu", [], "sm_90", "\n" + "\n".join(staged) + "\n")
-    _compile.compile_offline("cache_write.cu", [], "sm_90",
-                             f"\nstatic_assert(cpa::kCacheThreads == {_specs.CACHE_WRITE_THREADS}, \"threads\");\n")
+    _compile.compile_offline("decode_mma.cu", [], "sm_90", "\n" + "\n".join(staged) + "\n", optimise=False)
+    threads = f"\nstatic_assert(cpa::kCacheThreads == {_specs.CACHE_WRITE_THREADS}, \"threads\");\n"
+    _compile.compile_offline("cache_write.cu", [], "sm_90", threads, optimise=False)
 
 
 def test_host_mirror_check_catches_a_mismatch():
     """The static_assert route above fails loudly when host and kernel disagree."""
     wrong = "\nstatic_assert(cpa::TileLayout<__half, 64, 8>::kSmemBytes == 1, \"smem mirror\");\n"
     with pytest.raises(RuntimeError, match="smem mirror"):
-        _compile.compile_offline("decode_mma.cu", [], "sm_90", wrong)
+        _compile.compile_offline("decode_mma.cu", [], "sm_90", wrong, optimise=False)
 
 
 def test_planning_names_only_specialisations_that_exist():
