@@ -1,7 +1,7 @@
 """GPU: :mod:`cupy_paged_attn.transformers` on the CUDA kernels. The attention function's packed calls (prefill,
 chunked prefill and decode rows mixed, and decode steps only) at Llama-3.2-1B's head shapes with sequences of
 hundreds to thousands of keys, float32 and bfloat16, against the float64 reference; and ``generate_batch`` on a
-small float32 Llama on the GPU giving the greedy tokens of transformers' own SDPA.
+small float32 Llama on the GPU, under transformers' CUDA graphs, giving the greedy tokens of transformers' own SDPA.
 
 Skips without torch, transformers (>= 5.24) or a GPU. No network: the model is built from a config.
 """
@@ -80,23 +80,35 @@ def test_packed_decode_call_on_the_gpu(dtype):
     check_sequences(out, query, key, value, cu_q.cpu(), cu_k.cpu(), scale, dtype, None, None)
 
 
-def test_generate_batch_on_the_gpu_gives_sdpa_tokens():
+def test_generate_batch_on_the_gpu_gives_sdpa_tokens(monkeypatch):
     """A small float32 Llama (head size 64, GQA 4) on the GPU, ragged prompts of up to 300 tokens in chunks of a
-    256-token batch: greedy tokens identical to transformers' SDPA in continuous batching."""
+    256-token batch, transformers' CUDA graphs on: our attention function runs inside a graph capture, and the greedy
+    tokens (replayed from the graphs) are identical to transformers' SDPA in continuous batching."""
     config = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=1, head_dim=64, vocab_size=512, max_position_embeddings=1024)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (300, 17, 129, 2, 260, 64)]
     generation = transformers.GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
-    batching = transformers.ContinuousBatchingConfig(num_blocks=64, page_size=32, max_batch_tokens=256)
+    captured = []
+    attention = cpt.attention_forward
+
+    def recording(*args, **kwargs):
+        captured.append(torch.cuda.is_current_stream_capturing())
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(cpt, "attention_forward", recording)  # registered by enable()
     tokens = {}
     for name in ("sdpa", cpt.NAME):
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, attn_implementation="sdpa"))
         model = model.to("cuda").eval()
+        graphs = None
         if name != "sdpa":
-            model = cpt.enable(model)
+            model, graphs = cpt.enable(model), True
+        batching = transformers.ContinuousBatchingConfig(num_blocks=64, page_size=32, max_batch_tokens=256,
+                                                         use_cuda_graph=graphs)
         outputs = model.generate_batch(inputs=prompts, generation_config=generation,
                                        continuous_batching_config=batching)
         tokens[name] = [outputs[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+    assert any(captured), "no attention call ran inside a CUDA graph capture"
     assert tokens[cpt.NAME] == tokens["sdpa"]
