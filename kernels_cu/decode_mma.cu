@@ -107,6 +107,7 @@ decode_mma(
   using Cache = PagedCache<KV, HEAD, LAYOUT>;
   using Stages = typename CopyStages<L, KV>::type;
   using Staged = StagedBias<L, Bias>;
+  using M = typename MmaElem<T, KV>::type;  // the mmas' elements: T, or float16 over fp8 caches
   constexpr int TILE_N = L::TILE_N, KSTEPS = L::KSTEPS, NT_S = L::NT_S, NR = L::NR, NH = L::NH, EL = L::EL;
   constexpr int STAGES = L::STAGES, AHEAD = L::AHEAD, KEY_WARPS = L::KEY_WARPS;
   constexpr bool kT5 = SameType<Bias, T5Bias>::value;
@@ -384,9 +385,19 @@ decode_mma(
                                    ? L::q_index(c.row_warp * L::ROWS_W + c.lane % 16, 2 * kk + c.lane / 16)
                                    : (c.row_warp * L::ROWS_W + c.lane % 16) * L::ROW + 2 * kk + c.lane / 16]);
   }
-  // With an fp8 cache the key's scale rides on the logits' scale, the value's on the accumulator (after the loop).
+  // With an fp8 cache the key's scale rides on the logits' scale, the value's on the accumulator (after the loop);
+  // a bfloat16 query enters the float16 mmas scaled by 2^-e, and the logits' scale takes 2^e.
   float key_mult = 1.0f;
   if constexpr (kFp8) key_mult = kv_scale(k_scale, k_scales, k_scale_stride, kvh, kv_unit<KV>());
+  if constexpr (!SameType<M, T>::value) {
+    const int e = QToHalf::exponent<L>(q_s, c.lane);
+    const float q_mult = QToHalf::pow2(-e);
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) qa[kk][i] = QToHalf::convert(qa[kk][i], q_mult);
+    key_mult *= QToHalf::pow2(e);
+  }
   const float scale2 = scale * kLog2e * key_mult;
   const bool has_alibi = alibi_slopes != nullptr;
 
@@ -405,7 +416,7 @@ decode_mma(
       if (tile + AHEAD + 1 < c.num_tiles) pages.load_id(false, t0 + (AHEAD + 1) * TILE_N);
       int kv_st = st;  // the 16-bit stage the mmas read
       if constexpr (kFp8) {
-        Fp8Stages<L, KV>::template convert<T>(f8_s, st, kv_s, tid);
+        Fp8Stages<L, KV>::template convert<M>(f8_s, st, kv_s, tid);
         __syncthreads();  // the converted tile is complete before any warp reads it
         kv_st = 0;
       }
@@ -432,7 +443,7 @@ decode_mma(
         // ---- S = Q·Kᵀ: ROWS rows (16 with the zero rows) x the warp's KEYS_W keys.
         float sacc[1][NT_S][4];
         zero_fragments(sacc);
-        qk_mma<L, T>(sacc, qa, q_s, kv_s, kv_st, c.row_warp, c.key0, c.lane);
+        qk_mma<L, M>(sacc, qa, q_s, kv_s, kv_st, c.row_warp, c.key0, c.lane);
 
         if (L::kScores && soft_cap > 0.0f) cap_logits<L>(sacc, SoftCap::make(soft_cap, scale2));  // raw products
         if constexpr (!Bias::enabled) {
@@ -479,8 +490,8 @@ decode_mma(
           unsigned b[NH][2];
 #pragma unroll
           for (int nh = 0; nh < NH; ++nh) {
-            b[nh][0] = pack2<T>(sacc[0][2 * kk][2 * nh], sacc[0][2 * kk][2 * nh + 1]);
-            b[nh][1] = pack2<T>(sacc[0][2 * kk + 1][2 * nh], sacc[0][2 * kk + 1][2 * nh + 1]);
+            b[nh][0] = pack2<M>(sacc[0][2 * kk][2 * nh], sacc[0][2 * kk][2 * nh + 1]);
+            b[nh][1] = pack2<M>(sacc[0][2 * kk + 1][2 * nh], sacc[0][2 * kk + 1][2 * nh + 1]);
           }
 #pragma unroll
           for (int dm = 0; dm < KSTEPS; ++dm) {
@@ -488,7 +499,7 @@ decode_mma(
             ldmatrix_x4_trans(a, L::v_vec(kv_s, kv_st, c.key0 + kk * 16 + (c.lane / 16) * 8 + c.lane % 8,
                                           2 * dm + (c.lane / 8) % 2));
 #pragma unroll
-            for (int nh = 0; nh < NH; ++nh) mma_16816<T>(acc[0][dm * NH + nh], a, b[nh][0], b[nh][1]);
+            for (int nh = 0; nh < NH; ++nh) mma_16816<M>(acc[0][dm * NH + nh], a, b[nh][0], b[nh][1]);
           }
         }
       }

@@ -601,6 +601,48 @@ struct Fp8Stages {
   }
 };
 
+// The element type of the decode's mmas: the query's, but float16 over fp8 caches. Every fp8 value (divided by
+// kv_unit) and every probability (p <= 2^kRescaleSlack) is a float16, and a tile converts to float16 in one
+// instruction per pair of values, where bfloat16 took three (fp8x16_to_16bit); a bfloat16 query enters as float16
+// through QToHalf.
+template <typename T, typename KV, bool FP8 = IsFp8<KV>::value>
+struct MmaElem {
+  using type = T;
+};
+template <typename T, typename KV>
+struct MmaElem<T, KV, true> {
+  using type = __half;
+};
+
+// A bfloat16 Q tile as float16 A fragments: every element times 2^-e, one power of two for the tile, chosen so that
+// its largest |element| lands in [2^14, 2^15) (float16's largest binade ends at 65504). Each element keeps its 8
+// significant bits (float16 has 11) unless it is below 2^-28 of the largest, where float16's subnormals round it; the
+// logits' scale takes 2^e back. (A row of the tile may be far smaller than another: its logits are then as small.)
+struct QToHalf {
+  // e from the tile in shared memory, every warp reading all of it (no barrier): the largest magnitude's bfloat16
+  // exponent, clamped so that 2^e and 2^-e are normal floats (an infinite or NaN element stays one).
+  template <typename L>
+  static __device__ __forceinline__ int exponent(const uint4* q_s, int lane) {
+    unsigned big = 0u;  // bfloat16 magnitudes (sign bits cleared) order as their bits
+    for (int idx = lane; idx < L::ROWS * L::NV; idx += kWarpSize) {
+      const uint4 v = q_s[L::q_index(idx / L::NV, idx % L::NV)];
+      const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) big = max(big, max(w[i] & 0x7fffu, (w[i] >> 16) & 0x7fffu));
+    }
+    big = __reduce_max_sync(0xffffffffu, big);
+    const int biased = static_cast<int>(big >> 7);  // 0: all zeros (or subnormal)
+    return biased == 0 ? 0 : min(max(biased - 127 - 14, -126), 126);
+  }
+  static __device__ __forceinline__ float pow2(int e) { return __int_as_float((127 + e) << 23); }
+  // One register of a bfloat16 pair as the float16 pair of its values times `mult` (2^-e).
+  static __device__ __forceinline__ unsigned convert(unsigned bf16x2, float mult) {
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bf16x2));
+    const __half2 h = __floats2half2_rn(f.x * mult, f.y * mult);
+    return *reinterpret_cast<const unsigned*>(&h);
+  }
+};
+
 // The copies' destination of a tiling: its own stages, or with fp8 caches Fp8Stages.
 template <typename L, typename KV, bool FP8 = L::kFp8>
 struct CopyStages {

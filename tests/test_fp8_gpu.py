@@ -105,6 +105,35 @@ def test_fp8_decode_matches_the_reference(rng, split, tune, kernel, fmt, dtype, 
     assert_close(to_numpy(result), expected, dtype, f"{kernel} {fmt} {split} {scales}")
 
 
+# Query magnitudes of a bfloat16 query (factors of its rows) that a float16 cannot hold, or holds only as
+# subnormals, with the softmax scale that keeps the largest rows' logits of order one.
+QUERY_RANGES = {"huge": ([2.0**40], 2.0**-40), "tiny": ([2.0**-30], 2.0**30), "huge-and-small": ([2.0**20, 2.0**-6],
+                                                                                             2.0**-20)}
+
+
+@pytest.mark.parametrize("fmt", list(FP8))
+@pytest.mark.parametrize("heads", [(32, 8), (16, 16)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("magnitude", list(QUERY_RANGES))
+def test_fp8_decode_of_a_bfloat16_query_past_float16s_range(rng, split, tune, fmt, heads, magnitude):
+    """The tensor-core decode over fp8 caches runs its mmas in float16 and takes a bfloat16 query there scaled by a
+    power of two: queries of 2^40, of 2^-30, and rows 2^26 apart in one CTA still match the reference."""
+    import cupy
+
+    tune(decode_kernel="tensor-cores")
+    factors, scale = QUERY_RANGES[magnitude]
+    p, options = fp8_problem(rng, fmt, "per-head", "nhd", num_heads=heads[0], num_kv_heads=heads[1], head_size=128,
+                             dtype="bf16", bias="dense", bias_dtype="bf16", scale=scale)
+    row_factor = np.resize(np.asarray(factors, np.float32), heads[0])[None, :, None]
+    p.query = (p.query.astype(np.float32) * row_factor).astype(ml_dtypes.bfloat16)
+    expected = paged_attention_ref(*p.args(), **p.kwargs(), **options)
+    args, kwargs = device_args(p, to_cupy)
+    options = device_options(options, to_cupy)
+    assert cpa.DecodePlan(*args, **kwargs, **options).launch.tensor_cores
+    got = cpa.paged_attention(*args, **kwargs, **options)
+    assert isinstance(got, cupy.ndarray)
+    assert_close(to_numpy(got), expected, "bf16", f"{fmt} {magnitude} {split}")
+
+
 def test_fp8_planning_takes_the_kernels_that_exist(rng):
     """Grouped queries over fp8 caches up to head size 128 run on the tensor cores even where the SIMT kernel is
     asked for (it serves one query head per CTA there); the plan names an fp8 specialisation."""
