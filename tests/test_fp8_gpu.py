@@ -107,8 +107,11 @@ def test_fp8_decode_matches_the_reference(rng, split, tune, kernel, fmt, dtype, 
 
 # Query magnitudes of a bfloat16 query (factors of its rows) that a float16 cannot hold, or holds only as
 # subnormals, with the softmax scale that keeps the largest rows' logits of order one.
-QUERY_RANGES = {"huge": ([2.0**40], 2.0**-40), "tiny": ([2.0**-30], 2.0**30), "huge-and-small": ([2.0**20, 2.0**-6],
-                                                                                             2.0**-20)}
+QUERY_RANGES = {
+    "huge": ([2.0**40], 2.0**-40),
+    "tiny": ([2.0**-30], 2.0**30),
+    "huge-and-small": ([2.0**20, 2.0**-6], 2.0**-20),
+}
 
 
 @pytest.mark.parametrize("fmt", list(FP8))
